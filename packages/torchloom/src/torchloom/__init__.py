@@ -1,5 +1,44 @@
-"""The `loom` backend for `torch.compile`, the pipeline that composes the torchloom packages, typed options, runtime wrappers, `torchloom.report()` and the `torchloom` command line."""
+"""torchloom: a ``torch.compile`` backend, ``torch.compile(model, backend="loom")``.
+
+It owns everything after Dynamo: AOTAutograd with its own partition step and
+compilers, the torchloom packages' passes (hooks, storage resizing, CUDA
+graphs, cache) as pipeline stages, codegen per graph, and the runtime.
+
+>>> import torch, torchloom
+>>> f = torch.compile(lambda x: x.sin() * 2, backend="loom")
+>>> torchloom.reset(); y = f(torch.randn(4)); print(torchloom.report())  # doctest: +SKIP
+"""
+
+from torchloom._api import reset
+from torchloom._backend import loom_backend
+from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
+from torchloom._options import MODES, LoomOptions, LoomOptionsError, resolve_options
+from torchloom._report import (
+    GraphRecord,
+    InputMeta,
+    Report,
+    ReportEntry,
+    StageRecord,
+    report,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "MODES",
+    "GraphRecord",
+    "InputMeta",
+    "LoomOptions",
+    "LoomOptionsError",
+    "LoomRefusal",
+    "RefusalKind",
+    "Report",
+    "ReportEntry",
+    "StageRecord",
+    "Unsupported",
+    "__version__",
+    "loom_backend",
+    "report",
+    "reset",
+    "resolve_options",
+]

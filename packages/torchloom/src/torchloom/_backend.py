@@ -1,0 +1,32 @@
+"""The ``loom`` backend as ``torch.compile`` calls it.
+
+Registered through the ``torch_dynamo_backends`` entry point, so
+``torch.compile(fn, backend="loom")`` works in a fresh interpreter without
+importing torchloom first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch.fx import GraphModule
+
+from torchloom._options import resolve_options
+from torchloom._pipeline import compile_graph
+
+__all__ = ["loom_backend"]
+
+
+def loom_backend(
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """``torch.compile(model, backend="loom", mode=..., options={...})``.
+
+    >>> compiled = torch.compile(model, backend="loom", options={"codegen": "eager"})
+    """
+    return compile_graph(gm, example_inputs, resolve_options(mode, options))

@@ -1,0 +1,46 @@
+"""Refusals of the umbrella pipeline, as typed data.
+
+A stage that cannot handle a graph raises :class:`LoomRefusal` carrying an
+:class:`Unsupported`. The pipeline turns it into an eager fallback with a
+logged reason, or re-raises it when the user asked for ``strict`` mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = ["LoomRefusal", "RefusalKind", "Unsupported"]
+
+
+class RefusalKind(enum.Enum):
+    """Why the umbrella pipeline refused a graph (listed in docs/unsupported.md)."""
+
+    #: The graph has no tensor work: running it eagerly costs nothing.
+    NO_TENSOR_WORK = "no_tensor_work"
+    #: A package stage refused the graph (its own kind is in the message).
+    STAGE_REFUSED = "stage_refused"
+    #: AOTAutograd could not trace the graph.
+    AOT_FAILED = "aot_failed"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unsupported:
+    """What was refused, where, why, and what to do instead."""
+
+    kind: RefusalKind
+    where: str
+    explanation: str
+    hint: str = ""
+
+    def __str__(self) -> str:
+        text = f"{self.where}: {self.explanation}" if self.where else self.explanation
+        return f"{text} (hint: {self.hint})" if self.hint else text
+
+
+class LoomRefusal(RuntimeError):
+    """Raised by a stage to refuse a graph; carries the typed reason."""
+
+    def __init__(self, reason: Unsupported) -> None:
+        super().__init__(str(reason))
+        self.reason = reason

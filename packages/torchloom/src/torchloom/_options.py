@@ -1,0 +1,162 @@
+"""Typed, frozen options of the ``loom`` backend.
+
+One :class:`LoomOptions` value describes a compilation. It is built from three
+layers, later ones winning: the field defaults, environment variables
+``TORCHLOOM_<FIELD>`` and the ``mode=`` / ``options=`` arguments that
+``torch.compile`` passes to the backend. Every value is validated on the way in:
+an unknown key or a wrong type raises :class:`LoomOptionsError` naming the key
+and listing what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, get_args, get_origin
+
+__all__ = ["MODES", "LoomOptions", "LoomOptionsError", "resolve_options"]
+
+Codegen = Literal["inductor", "eager"]
+
+
+class LoomOptionsError(ValueError):
+    """An option given to the ``loom`` backend was refused."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoomOptions:
+    """Every knob of the ``loom`` backend. Settable by ``options={...}`` or env.
+
+    Example::
+
+        torch.compile(model, backend="loom", options={"codegen": "eager"})
+        # or: TORCHLOOM_CODEGEN=eager python train.py
+    """
+
+    #: Per-graph code generator: Inductor (default) or the FX graph run eagerly.
+    codegen: Codegen = "inductor"
+    #: Raise instead of falling back to eager when a stage refuses a graph or hook.
+    strict: bool = False
+    #: Run graphs as CUDA graphs (``mode="reduce-overhead"`` sets this).
+    cudagraphs: bool = False
+    #: Inductor's max-autotune (``mode="max-autotune"`` sets this).
+    max_autotune: bool = False
+
+    def changed(self, **updates: Any) -> LoomOptions:
+        """A copy with ``updates`` applied and validated."""
+        return resolve_options(options={**self.as_dict(), **updates}, env={})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+#: ``torch.compile(mode=...)`` values and the options each one stands for.
+MODES: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
+    {
+        "default": {},
+        "reduce-overhead": {"cudagraphs": True},
+        "max-autotune-no-cudagraphs": {"max_autotune": True},
+        "max-autotune": {"max_autotune": True, "cudagraphs": True},
+    }
+)
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+def _fields() -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(LoomOptions)}
+
+
+def _field_type(name: str) -> Any:
+    return typing.get_type_hints(LoomOptions)[name]
+
+
+def _describe_type(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _valid_keys() -> str:
+    return ", ".join(f"{n} ({_describe_type(_field_type(n))})" for n in _fields())
+
+
+def _check_value(name: str, value: Any, origin: str) -> Any:
+    tp = _field_type(name)
+    if get_origin(tp) is Literal:
+        if value in get_args(tp):
+            return value
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise LoomOptionsError(
+        f"loom option {name!r} from {origin} got {value!r} ({type(value).__name__}); "
+        f"expected {_describe_type(tp)}"
+    )
+
+
+def _parse_env(name: str, raw: str) -> Any:
+    tp = _field_type(name)
+    var = f"TORCHLOOM_{name.upper()}"
+    if tp is bool:
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise LoomOptionsError(f"{var}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+    if tp is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise LoomOptionsError(f"{var}={raw!r}: expected an integer") from None
+    if tp is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise LoomOptionsError(f"{var}={raw!r}: expected a number") from None
+    return raw.strip()
+
+
+def resolve_options(
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> LoomOptions:
+    """Build validated options: defaults < ``TORCHLOOM_*`` env < mode < options.
+
+    >>> resolve_options(mode="reduce-overhead", env={}).cudagraphs
+    True
+    """
+    env = os.environ if env is None else env
+    fields = _fields()
+    values: dict[str, Any] = {}
+    for name in fields:
+        raw = env.get(f"TORCHLOOM_{name.upper()}")
+        if raw is not None:
+            values[name] = _check_value(name, _parse_env(name, raw), f"TORCHLOOM_{name.upper()}")
+    if mode is not None:
+        if mode not in MODES:
+            raise LoomOptionsError(
+                f"unknown torch.compile mode {mode!r} for backend 'loom'; "
+                f"valid modes: {', '.join(MODES)}"
+            )
+        values.update(MODES[mode])
+    for key, value in (options or {}).items():
+        if key not in fields:
+            raise LoomOptionsError(f"unknown loom option {key!r}; valid options: {_valid_keys()}")
+        values[key] = _check_value(key, value, "options=")
+    return LoomOptions(**values)

@@ -1,0 +1,201 @@
+"""What torchloom did with every graph it compiled since the last reset.
+
+Each Dynamo graph handed to the backend gets one :class:`GraphRecord`: an id,
+its inputs' metadata, the stages it went through with their durations, and
+entries that stages add (hooks inlined or refused, resize passes, cache
+hits and misses, CUDA-graph segments). Records are built by a mutable
+:class:`GraphRecordBuilder` while compilation (and the lazily compiled
+backward) runs; :func:`report` returns frozen snapshots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "GraphRecord",
+    "GraphRecordBuilder",
+    "InputMeta",
+    "Report",
+    "ReportEntry",
+    "StageRecord",
+    "new_record",
+    "report",
+    "reset_records",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InputMeta:
+    """One graph input as the backend saw it (example values are fake)."""
+
+    index: int
+    kind: str  # "tensor", "symint", "int", "float", "bool", "other"
+    dtype: str | None = None
+    shape: tuple[str, ...] | None = None
+    stride: tuple[str, ...] | None = None
+    device: str | None = None
+    requires_grad: bool | None = None
+
+    def __str__(self) -> str:
+        if self.kind != "tensor":
+            return f"#{self.index} {self.kind}"
+        shape = ", ".join(self.shape or ())
+        grad = " grad" if self.requires_grad else ""
+        return f"#{self.index} {self.dtype}[{shape}] {self.device}{grad}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageRecord:
+    """A pipeline stage run on a graph: its name, duration and a one-line summary."""
+
+    name: str
+    seconds: float
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReportEntry:
+    """A fact a stage recorded about a graph, e.g. ``("cache", "miss", ...)``."""
+
+    area: str
+    kind: str
+    message: str
+    data: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.data).get(key, default)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GraphRecord:
+    """Everything torchloom did with one Dynamo graph."""
+
+    graph_id: int
+    name: str
+    inputs: tuple[InputMeta, ...]
+    options: tuple[tuple[str, Any], ...]
+    stages: tuple[StageRecord, ...]
+    entries: tuple[ReportEntry, ...]
+    fallback: str | None
+    graphs: tuple[tuple[str, str], ...]  # (kind, readable code) of each graph compiled
+
+    def entries_for(self, area: str) -> tuple[ReportEntry, ...]:
+        return tuple(e for e in self.entries if e.area == area)
+
+    def stage(self, name: str) -> StageRecord | None:
+        return next((s for s in self.stages if s.name == name), None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Report:
+    """All graph records since the last :func:`torchloom.reset`."""
+
+    graphs: tuple[GraphRecord, ...]
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def __iter__(self) -> Any:
+        return iter(self.graphs)
+
+    def __getitem__(self, i: int) -> GraphRecord:
+        return self.graphs[i]
+
+    def entries(self, area: str | None = None) -> tuple[ReportEntry, ...]:
+        return tuple(e for g in self.graphs for e in g.entries if area in (None, e.area))
+
+    def format(self) -> str:
+        """A plain-text summary, one block per graph."""
+        lines: list[str] = []
+        for g in self.graphs:
+            head = f"graph {g.graph_id} ({g.name}): {len(g.inputs)} inputs"
+            if g.fallback:
+                head += f" — eager fallback: {g.fallback}"
+            lines.append(head)
+            for s in g.stages:
+                lines.append(f"  {s.name:<22} {s.seconds * 1e3:9.1f} ms  {s.detail}")
+            for e in g.entries:
+                lines.append(f"  [{e.area}] {e.kind}: {e.message}")
+        return "\n".join(lines)
+
+    __str__ = format
+
+
+class GraphRecordBuilder:
+    """Collects one graph's record while it compiles; :meth:`build` snapshots it."""
+
+    def __init__(
+        self, graph_id: int, name: str, inputs: Sequence[InputMeta], options: Mapping[str, Any]
+    ) -> None:
+        self.graph_id = graph_id
+        self.name = name
+        self.inputs = tuple(inputs)
+        self.options = tuple(sorted(options.items()))
+        self._stages: list[StageRecord] = []
+        self._entries: list[ReportEntry] = []
+        self._graphs: list[tuple[str, str]] = []
+        self.fallback: str | None = None
+        self._lock = threading.Lock()
+
+    def add_stage(self, name: str, seconds: float, detail: str = "") -> None:
+        with self._lock:
+            self._stages.append(StageRecord(name, seconds, detail))
+
+    def add_entry(self, area: str, kind: str, message: str, **data: Any) -> None:
+        with self._lock:
+            self._entries.append(ReportEntry(area, kind, message, tuple(sorted(data.items()))))
+
+    def add_graph(self, kind: str, code: str) -> None:
+        with self._lock:
+            self._graphs.append((kind, code))
+
+    def build(self) -> GraphRecord:
+        with self._lock:
+            return GraphRecord(
+                self.graph_id,
+                self.name,
+                self.inputs,
+                self.options,
+                tuple(self._stages),
+                tuple(self._entries),
+                self.fallback,
+                tuple(self._graphs),
+            )
+
+
+_records: list[GraphRecordBuilder] = []
+_ids = itertools.count()
+_lock = threading.Lock()
+
+
+def new_record(
+    name: str, inputs: Sequence[InputMeta], options: Mapping[str, Any]
+) -> GraphRecordBuilder:
+    with _lock:
+        builder = GraphRecordBuilder(next(_ids), name, inputs, options)
+        _records.append(builder)
+        return builder
+
+
+def report() -> Report:
+    """Records of every graph compiled by ``loom`` since :func:`torchloom.reset`.
+
+    >>> torchloom.reset(); torch.compile(f, backend="loom")(x)
+    >>> print(torchloom.report())          # doctest: +SKIP
+    graph 0 (forward): 1 inputs
+      aot                       35.2 ms  ...
+    """
+    with _lock:
+        return Report(tuple(b.build() for b in _records))
+
+
+def reset_records() -> None:
+    global _ids
+    with _lock:
+        _records.clear()
+        _ids = itertools.count()

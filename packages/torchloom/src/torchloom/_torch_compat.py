@@ -1,0 +1,194 @@
+"""The umbrella's only door to private torch APIs (pinned: torch 2.11).
+
+Everything below ``torch._*`` that the pipeline uses is imported or wrapped
+here, so a torch upgrade is a diff of this file. Sections are grouped by the
+stage that needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch._functorch.config as functorch_config
+import torch._inductor.compile_fx as _compile_fx
+import torch._inductor.config as inductor_config
+from torch._dynamo.backends.common import aot_autograd as _aot_autograd
+from torch._dynamo.backends.registry import register_backend as _register_backend
+from torch._guards import TracingContext, detect_fake_mode, tracing
+from torch._inductor.utils import BoxedBool
+from torch._inductor.virtualized import V
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule
+
+__all__ = [
+    "BoxedBool",
+    "aot_autograd",
+    "backend_registered",
+    "boxed_graph_callable",
+    "codegen_context",
+    "dynamo_reset",
+    "eager_partition",
+    "inductor_compile_backward",
+    "inductor_compile_forward",
+    "inductor_compile_inner",
+    "inductor_config",
+    "inductor_decompositions",
+    "inductor_partition",
+    "inductor_pre_grad_passes",
+    "num_model_outputs",
+    "register_backend",
+    "static_input_indices",
+]
+
+# --- AOTAutograd ---------------------------------------------------------------------------
+
+
+def aot_autograd(**kwargs: Any) -> Callable[[GraphModule, Sequence[Any]], Callable[..., Any]]:
+    """``torch._dynamo.backends.common.aot_autograd``: AOTAutograd with our compilers.
+
+    It wraps the backward compiler and the compiled backward in
+    ``torch._dynamo.disable`` so Dynamo never traces either.
+    """
+    return _aot_autograd(**kwargs)  # type: ignore[no-any-return]
+
+
+def eager_partition(gm: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """Min-cut partition without Inductor's joint-graph passes (eager codegen)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
+
+
+@contextlib.contextmanager
+def codegen_context(example_inputs: Sequence[Any]) -> Iterator[None]:
+    """The context ``compile_fx`` sets around AOTAutograd: fake mode, tracing
+    context, compiled autograd off, effect tokens unlifted."""
+    from torch._dynamo import compiled_autograd
+
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    ctx = TracingContext.try_get() or TracingContext(fake_mode)
+    with (
+        V.set_fake_mode(fake_mode),
+        tracing(ctx),
+        compiled_autograd._disable(),
+        functorch_config.patch(unlift_effect_tokens=True),
+    ):
+        yield
+
+
+# --- Inductor codegen ----------------------------------------------------------------------
+
+
+def inductor_decompositions() -> Any:
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_pre_grad_passes(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:
+    return _compile_fx.run_pre_grad_passes(gm, example_inputs)
+
+
+def inductor_partition(gm: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """Inductor's partition step: joint-graph passes, then min-cut rematerialization."""
+    return _compile_fx.partition_fn(gm, joint_inputs, **kwargs)
+
+
+class InductorCompileState:
+    """Per-Dynamo-graph state Inductor threads through forward and backward."""
+
+    def __init__(self) -> None:
+        self.extra = _compile_fx.create_compiler_config_extra(inductor_config)
+
+
+def inductor_compile_inner(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """Inductor's per-graph compiler, with Inductor's own CUDA graphs off
+    (loom's runtime owns CUDA graphs)."""
+    kwargs["cudagraphs"] = BoxedBool(False)
+    return _compile_fx.compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def inductor_compile_forward(
+    state: InductorCompileState,
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    num_orig_model_outputs: int,
+    num_example_inputs: int,
+    is_inference: bool,
+    inner_compile: Callable[..., Any],
+) -> Any:
+    return _compile_fx.compile_fx_forward(
+        gm,
+        example_inputs,
+        num_orig_model_outputs=num_orig_model_outputs,
+        num_example_inputs=num_example_inputs,
+        compiler_config_extra=state.extra,
+        inner_compile=inner_compile,
+        is_inference=is_inference,
+    )
+
+
+def inductor_compile_backward(
+    state: InductorCompileState,
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    inner_compile: Callable[..., Any],
+) -> Any:
+    return _compile_fx.compile_fx_backward(
+        gm, example_inputs, compiler_config_extra=state.extra, inner_compile=inner_compile
+    )
+
+
+def num_model_outputs(gm: GraphModule) -> int:
+    return _compile_fx.get_num_model_outputs(gm)
+
+
+# --- Dynamo --------------------------------------------------------------------------------
+
+
+def dynamo_reset() -> None:
+    torch._dynamo.reset()
+
+
+def register_backend(name: str, fn: Callable[..., Any]) -> None:
+    _register_backend(compiler_fn=fn, name=name)
+
+
+def backend_registered(name: str) -> bool:
+    from torch._dynamo.backends.registry import list_backends
+
+    return name in list_backends(exclude_tags=())
+
+
+# --- eager codegen and static inputs -------------------------------------------------------
+
+
+def boxed_graph_callable(gm: GraphModule) -> Callable[[list[Any]], Any]:
+    """Run ``gm`` eagerly with the boxed convention: the generated code takes the
+    argument list and clears it, so inputs die as early as they would in eager."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())  # type: ignore[no-untyped-call]
+    gm.recompile()
+    fn: Any = gm.forward
+    runner: Any = lambda args: fn(args)  # noqa: E731
+    runner._boxed_call = True
+    return runner  # type: ignore[no-any-return]
+
+
+def static_input_indices(
+    is_backward: bool, gm: GraphModule, example_inputs: Sequence[Any], num_dynamo_inputs: int
+) -> list[int]:
+    """Inputs with fixed addresses (parameters, buffers), as Inductor computes them."""
+    from torch._inductor.utils import count_tangents, num_fw_fixed_arguments
+
+    if is_backward:
+        return list(range(count_tangents(gm)))
+    fixed = num_fw_fixed_arguments(num_dynamo_inputs, len(example_inputs))
+    return list(_compile_fx.get_static_input_idxs(fixed))
