@@ -1,0 +1,76 @@
+"""The ``torchloom`` command line.
+
+torchloom demo [--device cpu|cuda] [--iters N] [--no-inductor]
+torchloom report          (the last demo's per-graph report)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    import torchloom
+    from torchloom._demo import run_demo
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    torchloom.reset()
+    with console.status("starting") as status:
+        results = run_demo(
+            args.device,
+            args.iters,
+            inductor=not args.no_inductor,
+            progress=lambda msg: status.update(msg),
+        )
+    names = list(results[0].median_ms)
+    table = Table(title="torchloom demo: median step time (ms), compile = first call (s)")
+    table.add_column("workload")
+    for n in names:
+        table.add_column(f"{n} ms", justify="right")
+    if "inductor" in names:
+        table.add_column("loom / inductor", justify="right")
+    for n in names[1:]:
+        table.add_column(f"{n} compile s", justify="right")
+    table.add_column("matches eager", justify="center")
+    for r in results:
+        row = [r.workload] + [f"{r.median_ms[n]:.3f}" for n in names]
+        if "inductor" in names:
+            row.append(f"{r.median_ms['loom'] / r.median_ms['inductor']:.2f}x")
+        row += [f"{r.compile_s[n]:.1f}" for n in names[1:]]
+        row.append(f"yes ({r.max_abs_diff:.1e})" if r.ok else f"[red]NO ({r.max_abs_diff:.1e})")
+        table.add_row(*row)
+    console.print(table)
+    rep = torchloom.report()
+    fallbacks = sum(1 for g in rep if g.fallback)
+    console.print(f"loom compiled {len(rep)} graphs ({fallbacks} ran eagerly).")
+    if args.report:
+        console.print(rep.format())
+    return 0 if all(r.ok for r in results) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="torchloom", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="compile real models with loom, check and time them")
+    demo.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    demo.add_argument("--iters", type=int, default=10)
+    demo.add_argument("--no-inductor", action="store_true", help="skip the Inductor column")
+    demo.add_argument("--report", action="store_true", help="print torchloom.report() after")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _demo(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

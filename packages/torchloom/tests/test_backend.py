@@ -1,0 +1,203 @@
+"""The loom backend end to end on small functions: registration, training and
+inference graphs, fallback and strict mode, report and logging."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import torchloom
+from torchloom._stages import STAGES, GraphContext, GraphKind, PipelineStage
+
+EAGER = {"codegen": "eager"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Iterator[None]:
+    torchloom.reset()
+    yield
+    torchloom.reset()
+
+
+def test_backend_is_found_through_the_entry_point_in_a_fresh_interpreter() -> None:
+    code = (
+        "import sys, torch\n"
+        "f = torch.compile(lambda x: x.cos() + 1, backend='loom', options={'codegen': 'eager'})\n"
+        "x = torch.randn(3)\n"
+        "assert torch.allclose(f(x), x.cos() + 1)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("ok")
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def test_training_graph_matches_eager_outputs_and_gradients() -> None:
+    ref, model = _mlp(), _mlp()
+    compiled = torch.compile(model, backend="loom", options=EAGER)
+    x = torch.randn(5, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    ref(x).pow(2).sum().backward()
+    compiled(x2).pow(2).sum().backward()
+    torch.testing.assert_close(x2.grad, x.grad)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    kinds = [k for g in torchloom.report() for k, _ in g.graphs]
+    assert "forward" in kinds and "backward" in kinds
+
+
+@pytest.mark.parametrize("ctx", [torch.no_grad, torch.inference_mode])
+def test_inference_graph_under_no_grad_and_inference_mode(ctx: type) -> None:
+    model = _mlp()
+    compiled = torch.compile(model, backend="loom", options=EAGER)
+    x = torch.randn(5, 8)
+    with ctx():
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x))
+    kinds = [k for g in torchloom.report() for k, _ in g.graphs]
+    assert "inference" in kinds and "backward" not in kinds
+
+
+def test_report_has_ids_input_metadata_and_timed_stages() -> None:
+    f = torch.compile(lambda x, y: (x @ y).relu(), backend="loom", options=EAGER)
+    f(torch.randn(2, 3, requires_grad=True), torch.randn(3, 4))
+    rep = torchloom.report()
+    assert len(rep) == 1
+    g = rep[0]
+    assert g.graph_id == 0
+    assert [(m.kind, m.dtype, m.shape, m.requires_grad) for m in g.inputs] == [
+        ("tensor", "float32", ("2", "3"), True),
+        ("tensor", "float32", ("3", "4"), False),
+    ]
+    names = {s.name for s in g.stages}
+    assert {"aot", "partition", "codegen.forward"} <= names
+    assert all(s.seconds >= 0 for s in g.stages)
+    assert "graph 0" in rep.format()
+
+
+def test_graph_without_tensor_work_runs_eagerly_with_a_logged_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    f = torch.compile(lambda x: x, backend="loom", options=EAGER)
+    x = torch.randn(3)
+    with caplog.at_level(logging.DEBUG, logger="torchloom"):
+        assert f(x) is x or torch.equal(f(x), x)
+    for g in torchloom.report():
+        assert g.fallback is None or "no tensor work" in g.fallback
+
+
+class _RefuseEverything(PipelineStage):
+    name = "refuser"
+
+    def before_aot(
+        self, ctx: GraphContext, gm: torch.fx.GraphModule, example_inputs: object
+    ) -> torch.fx.GraphModule:
+        raise ctx.refuse("test stage refuses", where="test.py:1", hint="do not")
+
+
+@pytest.fixture
+def refusing_stage() -> Iterator[None]:
+    stage = _RefuseEverything()
+    STAGES.append(stage)
+    yield
+    STAGES.remove(stage)
+
+
+@pytest.mark.usefixtures("refusing_stage")
+def test_refused_graph_falls_back_to_eager_with_reason_in_log_and_report(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    f = torch.compile(lambda x: x.sin() * 3, backend="loom", options=EAGER)
+    x = torch.randn(4)
+    with caplog.at_level(logging.WARNING, logger="torchloom"):
+        torch.testing.assert_close(f(x), x.sin() * 3)
+    assert "test stage refuses" in caplog.text
+    (g,) = torchloom.report()
+    assert g.fallback is not None and "test.py:1" in g.fallback
+
+
+@pytest.mark.usefixtures("refusing_stage")
+def test_strict_mode_raises_the_refusal() -> None:
+    f = torch.compile(lambda x: x.sin() * 3, backend="loom", options={**EAGER, "strict": True})
+    with pytest.raises(Exception, match="test stage refuses"):
+        f(torch.randn(4))
+
+
+def test_invalid_option_raises_when_compiling() -> None:
+    f = torch.compile(lambda x: x + 1, backend="loom", options={"nope": 1})
+    with pytest.raises(Exception, match="unknown loom option 'nope'"):
+        f(torch.randn(2))
+
+
+class _WatchBackwardInputs(PipelineStage):
+    name = "watch"
+
+    def __init__(self) -> None:
+        self.left_after_call: list[int] = []
+
+    def wrap_compiled(
+        self,
+        ctx: GraphContext,
+        fn: Callable[..., Any],
+        gm: torch.fx.GraphModule,
+        kind: GraphKind,
+        example_inputs: object,
+    ) -> Callable[..., Any]:
+        if kind is not GraphKind.BACKWARD:
+            return fn
+
+        def watched(args: list[Any]) -> Any:
+            out = fn(args)
+            self.left_after_call.append(len(args))
+            return out
+
+        watched._boxed_call = True  # type: ignore[attr-defined]
+        return watched
+
+
+@pytest.mark.parametrize("codegen", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_compiled_backward_takes_its_inputs_boxed_and_clears_them(codegen: str) -> None:
+    """The backward gets the saved tensors in a list it empties, so each one can
+    be freed at its last use rather than when the backward returns."""
+    watch = _WatchBackwardInputs()
+    STAGES.append(watch)
+    try:
+        f = torch.compile(
+            lambda x: (x.exp() * x).sum(), backend="loom", options={"codegen": codegen}
+        )
+        x = torch.randn(64, requires_grad=True)
+        f(x).backward()
+    finally:
+        STAGES.remove(watch)
+    torch.testing.assert_close(x.grad, (x.exp() * x + x.exp()).detach())
+    assert watch.left_after_call == [0]
+
+
+def test_debug_log_prints_each_stage_graph(caplog: pytest.LogCaptureFixture) -> None:
+    f = torch.compile(lambda x: x.tanh() * 2, backend="loom", options=EAGER)
+    with caplog.at_level(logging.DEBUG, logger="torchloom.graphs"):
+        f(torch.randn(3, requires_grad=True))
+    text = caplog.text
+    assert "dynamo" in text and "forward" in text and "tanh" in text
+
+
+@pytest.mark.inductor
+def test_inductor_codegen_matches_eager_in_training() -> None:
+    ref, model = _mlp(), _mlp()
+    compiled = torch.compile(model, backend="loom")
+    x = torch.randn(5, 8)
+    ref(x).sum().backward()
+    compiled(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert any(s.detail == "inductor" for g in torchloom.report() for s in g.stages)
