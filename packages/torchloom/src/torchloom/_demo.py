@@ -64,7 +64,7 @@ def _sync(device: torch.device) -> None:
 def _step(model: Callable[..., torch.Tensor], x: torch.Tensor, train: bool) -> torch.Tensor:
     if train:
         out = model(x)
-        out.float().pow(2).mean().backward()
+        torch.autograd.backward(out.float().pow(2).mean())
         return out
     with torch.inference_mode():
         return model(x)

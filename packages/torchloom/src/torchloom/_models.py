@@ -39,7 +39,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = F.gelu(layer(x))
-        return self.norm(x)
+        out: torch.Tensor = self.norm(x)
+        return out
 
 
 class GPTBlock(nn.Module):
@@ -59,7 +60,8 @@ class GPTBlock(nn.Module):
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, c))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        mlp: torch.Tensor = self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + mlp
 
 
 class GPTStack(nn.Module):
@@ -71,4 +73,5 @@ class GPTStack(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
-        return self.ln(x)
+        out: torch.Tensor = self.ln(x)
+        return out
