@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU tier: run on the GPU machine (torch preinstalled, Python 3.12, no
+# network) from the repository root. It makes the workspace importable without
+# installing anything (scripts/gpu_env.py), runs every `gpu`-marked test and
+# then every benchmarks/bench_*.py with --device cuda, and writes logs and
+# result tables to $OUT (default: gpu_results/).
+#
+#   bash scripts/gpu_tier.sh                 # tests + benchmarks
+#   GPU_TIER=tests bash scripts/gpu_tier.sh  # only tests (or: bench)
+#   GPU_TESTS_ARGS="-k cudagraph" GPU_BENCHES="bench_cudagraph" bash scripts/gpu_tier.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_results}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SITE=$(mktemp -d)
+"$PY" scripts/gpu_env.py "$SITE"
+SRC=$(ls -d "$PWD"/packages/*/src | tr '\n' ':')
+export PYTHONPATH="$SITE:$SRC$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1 TORCHLOOM_CHECKS=1
+export BENCH_OUT="$OUT"
+status=0
+
+"$PY" - <<'PYEOF'
+import sys, torch
+print("python", sys.version.split()[0], "| torch", torch.__version__,
+      "| device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+import torch._dynamo.backends.registry as r
+assert "loom" in r.list_backends(exclude_tags=()), "loom backend not registered"
+PYEOF
+
+if [ "${GPU_TIER:-all}" != bench ]; then
+  echo "=== gpu tests"
+  # shellcheck disable=SC2086
+  "$PY" -m pytest packages tests_integration -m "gpu" -q -p no:cacheprovider \
+      -o cache_dir=/tmp/pytest-cache --junitxml="$OUT/gpu-tests.xml" ${GPU_TESTS_ARGS:-} \
+      2>&1 | tee "$OUT/gpu-tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # The hook tracer targets CPython 3.11 and 3.12: its unit tests run here on 3.12.
+  echo "=== tracer unit tests on $("$PY" -V)"
+  "$PY" -m pytest packages/hops/tests packages/sidefx/tests packages/cells/tests -q \
+      -m "not gpu" -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/py312-tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [ "${GPU_TIER:-all}" != tests ]; then
+  for bench in benchmarks/bench_*.py; do
+    name=$(basename "$bench" .py)
+    if [ -n "${GPU_BENCHES:-}" ] && [[ " $GPU_BENCHES " != *" $name "* ]]; then continue; fi
+    echo "=== $name"
+    timeout "${BENCH_TIMEOUT:-300}" "$PY" "$bench" --device cuda 2>&1 | tee -a "$OUT/bench.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "!!! $name failed"; status=1; }
+  done
+  tar czf "$OUT/results.tar.gz" benchmarks/results 2>/dev/null || true
+fi
+echo "gpu tier finished with status $status"
+exit $status
