@@ -1,5 +1,58 @@
 """Symbolic values with a mutation type, the side-effect log of a traced hook, pruning of dead new objects, and the replay plan that applies recorded side effects, in program order, after a compiled graph runs. Pure Python: it never imports torch."""
 
+from ._builder import SideEffects
+from ._guards import Guard, GuardKind, compile_guards, constant_guard
+from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
+from ._refusals import SideEffectRefusal, SideEffectRefused, Unsupported
+from ._replay import PlanCheckError, ReplayPlan, checks_enabled
+from ._sources import (
+    ArgSource,
+    AttrSource,
+    CellContentsSource,
+    ClosureSource,
+    FunctionClosureSource,
+    GlobalSource,
+    ItemSource,
+    Roots,
+    Source,
+)
+from ._values import Missing, MutationType, ObjKind, Original, Ref, TensorSlot, Value, is_constant
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "ArgSource",
+    "AttrSource",
+    "CellContentsSource",
+    "ClosureSource",
+    "FunctionClosureSource",
+    "FunctionSpec",
+    "GlobalSource",
+    "Guard",
+    "GuardKind",
+    "ItemSource",
+    "Missing",
+    "MutationType",
+    "NewObject",
+    "ObjKind",
+    "Op",
+    "OpKind",
+    "Original",
+    "PlanCheckError",
+    "PreexistingObject",
+    "Ref",
+    "ReplayPlan",
+    "Roots",
+    "SideEffectRefusal",
+    "SideEffectRefused",
+    "SideEffects",
+    "Source",
+    "TensorSlot",
+    "Unsupported",
+    "Value",
+    "__version__",
+    "checks_enabled",
+    "compile_guards",
+    "constant_guard",
+    "is_constant",
+]

@@ -1,0 +1,227 @@
+"""One model for every closure cell of a trace.
+
+A pre-existing cell is identified by the identity of the *cell object* (found
+through a function's ``__closure__``), never by its contents: two functions
+sharing a cell share one :class:`Cell`, and another cell holding an equal value
+is another :class:`Cell`. Cells created while tracing (``MAKE_CELL``) are new
+objects of the side-effect log: their reads and writes are symbolic and cost
+nothing unless they escape (captured by a function that escapes). Reads of a
+pre-existing cell's original contents become guards; writes become side effects
+replayed through ``cell.cell_contents = value``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+from loom_sidefx import (
+    CellContentsSource,
+    ClosureSource,
+    FunctionClosureSource,
+    Guard,
+    GuardKind,
+    Missing,
+    MutationType,
+    Ref,
+    SideEffects,
+    Source,
+    Value,
+    is_constant,
+)
+
+from ._refusals import CellRefusal, CellRefused, Unsupported
+
+__all__ = ["Cell", "CellModel", "GuardPolicy", "default_guard_policy"]
+
+log = logging.getLogger("torchloom.cells")
+
+#: Decides how a read of a pre-existing cell's contents is guarded (None: no guard).
+GuardPolicy = Callable[[object], GuardKind | None]
+
+
+def default_guard_policy(value: object) -> GuardKind | None:
+    """Value equality for constants, identity for every other object."""
+    return GuardKind.EQUALS if is_constant(value) else GuardKind.IDENTITY
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cell:
+    """A modeled cell: its side-effect ref and the variable name it was first seen under."""
+
+    ref: Ref
+    name: str
+
+    @property
+    def mutation(self) -> MutationType:
+        return self.ref.mutation
+
+    @property
+    def is_new(self) -> bool:
+        return self.ref.is_new
+
+
+class CellModel:
+    """Registry of the cells one trace touches, on top of a :class:`SideEffects` log.
+
+    Example (the hook ``def hook(x): nonlocal count; count += 1; return x``)::
+
+        se = SideEffects()
+        cells = CellModel(se)
+        (count,) = cells.hook_closure(hook)          # pre-existing, ClosureSource(0, "count")
+        n = cells.load(count)                        # 3, guarded: count == 3
+        cells.store(count, n + 1)                    # replayed: cell_contents = 4
+        plan, guards = se.build(), cells.guards()
+    """
+
+    def __init__(
+        self, side_effects: SideEffects, *, guard_policy: GuardPolicy | None = None
+    ) -> None:
+        self.side_effects = side_effects
+        self.guard_policy = guard_policy or default_guard_policy
+        self._cells: dict[Ref, Cell] = {}
+        self._guards: dict[Guard, None] = {}
+
+    # ----------------------------------------------------------------- cells
+    def existing(self, cell: types.CellType, source: Source | None, name: str = "") -> Cell:
+        """The model of a pre-existing cell object (the same :class:`Cell` for the same object).
+
+        ``source`` reaches the *cell* (e.g. ``ClosureSource(i, name)``).
+        """
+        if not isinstance(cell, types.CellType):
+            self._refuse(CellRefusal.NOT_A_CELL, f"{type(cell).__qualname__} is not a cell")
+        ref = self.side_effects.track_existing(cell, source)
+        model = self._cells.get(ref)
+        if model is None:
+            model = self._cells[ref] = Cell(ref, name)
+        return model
+
+    def new_cell(self, name: str = "", contents: Value = Missing.ABSENT) -> Cell:
+        """A cell created while tracing (``MAKE_CELL``), empty unless ``contents`` is given."""
+        ref = self.side_effects.track_new_cell(contents)
+        model = self._cells[ref] = Cell(ref, name)
+        return model
+
+    def hook_closure(self, fn: types.FunctionType) -> tuple[Cell, ...]:
+        """The cells of the traced hook itself, sourced as ``closure[i:name]``."""
+        return self._closure(fn, lambda i, name: ClosureSource(i, name))
+
+    def closure_of(self, fn: types.FunctionType, fn_source: Source | None) -> tuple[Cell, ...]:
+        """The cells of a pre-existing function the trace calls into.
+
+        ``fn_source`` reaches the function (e.g. ``GlobalSource("helper")``); its
+        cells are sourced as ``fn_source.__closure__[i:name]``. A cell already
+        modeled (shared with the hook or another function) keeps its model.
+        """
+        if fn_source is None:
+            return self._closure(fn, lambda i, name: None)
+        return self._closure(fn, lambda i, name: FunctionClosureSource(fn_source, i, name))
+
+    def cell_for(self, ref: Ref) -> Cell:
+        """The model of a cell ref (e.g. from a new function's closure spec)."""
+        return self._cells[ref]
+
+    # --------------------------------------------------------- reads, writes
+    def load(self, cell: Cell) -> Value:
+        """``LOAD_DEREF``: the cell's current contents.
+
+        For a pre-existing cell not yet written by the trace this is an
+        :class:`~loom_sidefx.Original` (or the Ref of an already tracked object,
+        or the constant itself), and the read is guarded per the guard policy.
+        """
+        value = self.side_effects.load_cell(cell.ref)
+        if value is Missing.ABSENT:
+            self._refuse(
+                CellRefusal.EMPTY_CELL,
+                f"free variable {cell.name!r} referenced before assignment",
+                "assign the variable before the hook reads it",
+            )
+        if not cell.is_new and not self.side_effects.is_mutated(cell.ref):
+            self._guard_original(cell)
+        return value
+
+    def store(self, cell: Cell, value: Value) -> None:
+        """``STORE_DEREF``: symbolic for a new cell, a replayed side effect for a pre-existing one."""
+        self._require_source(cell, "write to")
+        self.side_effects.store_cell(cell.ref, value)
+
+    def delete(self, cell: Cell) -> None:
+        """``DELETE_DEREF``."""
+        self._require_source(cell, "delete from")
+        self.side_effects.del_cell(cell.ref)
+
+    def new_function(
+        self,
+        code: types.CodeType,
+        closure: tuple[Cell, ...],
+        *,
+        name: str | None = None,
+        defaults: tuple[Value, ...] = (),
+        kwdefaults: Mapping[str, Value] | None = None,
+    ) -> Ref:
+        """``MAKE_FUNCTION`` with a closure: a new function capturing these cells."""
+        if len(closure) != len(code.co_freevars):
+            self._refuse(
+                CellRefusal.NOT_A_CELL,
+                f"{code.co_name} has {len(code.co_freevars)} free variables, got {len(closure)} cells",
+            )
+        return self.side_effects.track_new_function(
+            code,
+            name or code.co_name,
+            defaults=defaults,
+            closure=tuple(c.ref for c in closure),
+            kwdefaults=kwdefaults,
+        )
+
+    def guards(self) -> tuple[Guard, ...]:
+        """Guards on the pre-existing cell contents the trace read, in first-read order."""
+        return tuple(self._guards)
+
+    # --------------------------------------------------------------- helpers
+    def _closure(
+        self, fn: types.FunctionType, source: Callable[[int, str], Source | None]
+    ) -> tuple[Cell, ...]:
+        cells = fn.__closure__ or ()
+        names = fn.__code__.co_freevars
+        return tuple(
+            self.existing(c, source(i, n), n)
+            for i, (c, n) in enumerate(zip(cells, names, strict=True))
+        )
+
+    def _guard_original(self, cell: Cell) -> None:
+        src = self.side_effects.source_of(cell.ref)
+        contents: Any = self.side_effects.live_object(cell.ref)
+        contents = contents.cell_contents
+        kind = self.guard_policy(contents)
+        if kind is None:
+            return
+        if src is None:
+            self._refuse(
+                CellRefusal.NO_SOURCE,
+                f"read of closure variable {cell.name!r} of a function with no source cannot be guarded",
+                "pass the function to the hook, or reach it from a global",
+            )
+        if kind is GuardKind.TYPE:
+            expected: Any = type(contents)
+        elif kind is GuardKind.LENGTH:
+            expected = len(contents)
+        else:
+            expected = contents
+        guard = Guard(kind, CellContentsSource(src), expected)
+        if guard not in self._guards:
+            log.debug("guard %s", guard.describe())
+            self._guards[guard] = None
+
+    def _require_source(self, cell: Cell, what: str) -> None:
+        if not cell.is_new and self.side_effects.source_of(cell.ref) is None:
+            self._refuse(
+                CellRefusal.NO_SOURCE,
+                f"{what} closure variable {cell.name!r} of a function with no source",
+                "pass the function to the hook, or reach it from a global",
+            )
+
+    def _refuse(self, kind: CellRefusal, explanation: str, hint: str = "") -> NoReturn:
+        raise CellRefused(Unsupported(kind, self.side_effects.where, explanation, hint))

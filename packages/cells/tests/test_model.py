@@ -1,0 +1,151 @@
+"""Cells modeled by cell identity: guards on reads, replayed writes."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from loom_cells import CellModel, CellRefusal, CellRefused, FrameCells, GuardKind, compile_guards
+from loom_sidefx import ClosureSource, GlobalSource, Roots, SideEffects
+
+
+def nested_code(fn: Callable[..., Any], name: str) -> types.CodeType:
+    return next(
+        c for c in fn.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == name
+    )
+
+
+def make_counter() -> Callable[[], int]:
+    count = 0
+
+    def hook() -> int:
+        nonlocal count
+        count += 1
+        return count
+
+    return hook
+
+
+def make_pair() -> tuple[Callable[[], None], Callable[[], int]]:
+    shared = 10
+
+    def bump() -> None:
+        nonlocal shared
+        shared += 1
+
+    def read() -> int:
+        return shared
+
+    return bump, read
+
+
+def test_nonlocal_counter_write_is_replayed_through_cell_contents() -> None:
+    hook = make_counter()
+    se = SideEffects()
+    cells = CellModel(se)
+    frame = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
+    assert frame.load("count") == 0
+    frame.store("count", 1)
+    plan, guards = se.build(), cells.guards()
+
+    assert [g.describe() for g in guards] == ["closure[0:count].cell_contents == 0"]
+    roots = Roots.of(hook, ())  # type: ignore[arg-type]
+    check = compile_guards(guards)
+    assert check(roots)
+    plan.apply(roots)
+    assert hook.__closure__[0].cell_contents == 1  # type: ignore[index]
+    assert not check(roots), "the guard fails once the counter moved"
+    assert hook() == 2, "the real function sees the replayed write"
+
+
+def test_two_functions_sharing_a_cell_share_one_model() -> None:
+    bump, read = make_pair()
+    se = SideEffects()
+    cells = CellModel(se)
+    (a,) = cells.hook_closure(bump)  # type: ignore[arg-type]
+    (b,) = cells.closure_of(read, GlobalSource("read"))  # type: ignore[arg-type]
+    assert a is b
+    cells.store(a, 11)
+    assert cells.load(b) == 11, "the write through one function is seen through the other"
+    assert cells.guards() == (), "no guard: the value read was written by the trace"
+
+
+def test_another_cell_holding_an_equal_value_is_another_cell() -> None:
+    h1, h2 = make_counter(), make_counter()
+    se = SideEffects()
+    cells = CellModel(se)
+    (a,) = cells.hook_closure(h1)  # type: ignore[arg-type]
+    (b,) = cells.closure_of(h2, GlobalSource("h2"))  # type: ignore[arg-type]
+    assert a != b
+    cells.store(a, 5)
+    assert cells.load(b) == 0
+
+
+def test_read_of_an_object_guards_identity_and_of_a_constant_guards_value() -> None:
+    payload: list[int] = []
+    name = "x"
+
+    def hook() -> tuple[list[int], str]:
+        return payload, name
+
+    se = SideEffects()
+    cells = CellModel(se)
+    frame = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
+    frame.load("payload")
+    frame.load("name")
+    kinds = {g.source.describe(): g.kind for g in cells.guards()}
+    assert kinds == {
+        "closure[0:name].cell_contents": GuardKind.EQUALS,
+        "closure[1:payload].cell_contents": GuardKind.IDENTITY,
+    }
+
+
+def test_reading_an_empty_cell_is_refused() -> None:
+    def outer() -> Callable[[], Any]:
+        def hook() -> Any:
+            return late
+
+        return hook
+        late = 1  # never runs: the cell stays empty
+
+    hook = outer()
+    cells = CellModel(SideEffects())
+    frame = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
+    with pytest.raises(CellRefused) as info:
+        frame.load("late")
+    assert info.value.reason.kind is CellRefusal.EMPTY_CELL
+
+
+def test_new_cell_captured_by_nested_function_is_pruned_unless_it_escapes() -> None:
+    def outer() -> Any:
+        x = 1
+
+        def inner() -> int:
+            return x
+
+        return inner
+
+    inner_code = nested_code(outer, "inner")
+    se = SideEffects()
+    cells = CellModel(se)
+    frame = FrameCells(cells, outer.__code__, ())
+    frame.make_cell("x")
+    frame.store("x", 1)
+    fn = frame.make_function(inner_code)
+    assert se.build().is_empty, "neither the cell nor the function escapes"
+
+    g: dict[str, Any] = {"hooks": []}
+    se.list_append(se.track_existing(g["hooks"], GlobalSource("hooks")), fn)
+    plan = se.build()
+    plan.apply(Roots((), g))
+    assert g["hooks"][0]() == 1
+
+
+def test_cell_source_is_the_closure_slot() -> None:
+    hook = make_counter()
+    cells = CellModel(SideEffects())
+    (c,) = cells.hook_closure(hook)  # type: ignore[arg-type]
+    assert cells.side_effects.source_of(c.ref) == ClosureSource(0, "count")

@@ -1,0 +1,186 @@
+"""Guards: sourced checks that a trace's assumptions still hold on a new call.
+
+A :class:`Guard` says "the object at ``source`` is ``expected``" (identity), "equals
+the constant ``expected``" (same exact type and value), "has exactly type
+``expected``", or "has length ``expected``". :func:`compile_guards` turns a tuple
+of guards into ONE generated Python function over :class:`~loom_sidefx.Roots`
+that evaluates each distinct source path once; any exception while evaluating
+(a missing global, an empty cell) means the guards fail. Invariant: guard text is
+deterministic and never shows an address.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import keyword
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._ops import describe_type
+from ._sources import (
+    ArgSource,
+    AttrSource,
+    CellContentsSource,
+    ClosureSource,
+    FunctionClosureSource,
+    GlobalSource,
+    ItemSource,
+    Roots,
+    Source,
+)
+from ._values import is_constant
+
+__all__ = ["Guard", "GuardKind", "compile_guards", "constant_guard"]
+
+
+class GuardKind(enum.Enum):
+    """What a guard checks about the object at its source."""
+
+    #: ``value is expected`` (the guard keeps ``expected`` alive).
+    IDENTITY = "identity"
+    #: ``type(value) is type(expected) and value == expected`` for a constant.
+    EQUALS = "equals"
+    #: ``type(value) is expected``.
+    TYPE = "type"
+    #: ``len(value) == expected``.
+    LENGTH = "length"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Guard:
+    """One sourced check; see :class:`GuardKind`."""
+
+    kind: GuardKind
+    source: Source
+    expected: Any = dataclasses.field(compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind is GuardKind.EQUALS and not is_constant(self.expected):
+            raise TypeError(
+                f"EQUALS guard needs a constant, got {type(self.expected).__qualname__}"
+            )
+        if self.kind is GuardKind.TYPE and not isinstance(self.expected, type):
+            raise TypeError("TYPE guard needs a class")
+        if self.kind is GuardKind.LENGTH and type(self.expected) is not int:
+            raise TypeError("LENGTH guard needs an int")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Guard):
+            return NotImplemented
+        if self.kind is not other.kind or self.source != other.source:
+            return False
+        if self.kind is GuardKind.EQUALS:
+            return _same_constant(self.expected, other.expected)
+        return bool(self.expected is other.expected)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.source))
+
+    def check(self, roots: Roots) -> bool:
+        """Evaluate this guard alone (slow path; use :func:`compile_guards`)."""
+        return compile_guards((self,))(roots)
+
+    def describe(self) -> str:
+        """Deterministic text, e.g. ``closure[0:count].cell_contents == 3``."""
+        src = self.source.describe()
+        if self.kind is GuardKind.IDENTITY:
+            return f"{src} is <{describe_type(type(self.expected))} object>"
+        if self.kind is GuardKind.EQUALS:
+            return f"{src} == {self.expected!r}"
+        if self.kind is GuardKind.TYPE:
+            return f"type({src}) is {describe_type(self.expected)}"
+        return f"len({src}) == {self.expected}"
+
+
+def constant_guard(source: Source, value: Any) -> Guard:
+    """The natural guard on a read value: EQUALS for a constant, IDENTITY otherwise."""
+    kind = GuardKind.EQUALS if is_constant(value) else GuardKind.IDENTITY
+    return Guard(kind, source, value)
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if type(a) is tuple:
+        return len(a) == len(b) and all(_same_constant(x, y) for x, y in zip(a, b, strict=True))
+    if type(a) is float and a != a:
+        return bool(b != b)
+    return bool(a == b)
+
+
+def compile_guards(guards: Sequence[Guard]) -> Callable[[Roots], bool]:
+    """Compile guards into one function ``check(roots) -> bool``.
+
+    Each distinct source path is evaluated once; the checks run in order and
+    stop at the first failure. Build it once per trace, call it per call.
+    """
+    ns: dict[str, Any] = {"_same": _same_constant}
+    lines: list[str] = []
+    names: dict[Source, str] = {}
+
+    def const(value: Any) -> str:
+        name = f"_k{len(ns)}"
+        ns[name] = value
+        return name
+
+    def expr(src: Source) -> str:
+        if src in names:
+            return names[src]
+        if isinstance(src, ArgSource):
+            text = f"a[{src.index}]"
+        elif isinstance(src, GlobalSource):
+            text = f"g[{const(src.name)}]"
+        elif isinstance(src, ClosureSource):
+            text = f"c[{src.index}]"
+        elif isinstance(src, AttrSource):
+            base = expr(src.base)
+            ok = src.name.isidentifier() and not keyword.iskeyword(src.name)
+            ok = ok and not src.name.startswith("__")
+            text = f"{base}.{src.name}" if ok else f"getattr({base}, {const(src.name)})"
+        elif isinstance(src, ItemSource):
+            text = f"{expr(src.base)}[{const(src.key)}]"
+        elif isinstance(src, CellContentsSource):
+            text = f"{expr(src.base)}.cell_contents"
+        elif isinstance(src, FunctionClosureSource):
+            text = f"{expr(src.base)}.__closure__[{src.index}]"
+        else:
+            raise TypeError(f"cannot compile a guard on {type(src).__qualname__}")
+        name = f"s{len(names)}"
+        lines.append(f"        {name} = {text}")
+        names[src] = name
+        return name
+
+    for guard in dict.fromkeys(guards):
+        v = expr(guard.source)
+        if guard.kind is GuardKind.IDENTITY:
+            cond = f"{v} is {const(guard.expected)}"
+        elif guard.kind is GuardKind.TYPE:
+            cond = f"type({v}) is {const(guard.expected)}"
+        elif guard.kind is GuardKind.LENGTH:
+            cond = f"len({v}) == {guard.expected}"
+        else:
+            e = guard.expected
+            if e is None or type(e) is bool:
+                cond = f"{v} is {e!r}"
+            elif type(e) in (int, str, bytes):
+                cond = f"type({v}) is {const(type(e))} and {v} == {const(e)}"
+            else:
+                cond = f"_same({v}, {const(e)})"
+        lines.append(f"        if not ({cond}):\n            return False")
+    body = "\n".join(lines) if lines else "        pass"
+    source = (
+        "def check(roots):\n"
+        "    a = roots.args\n"
+        "    g = roots.globals\n"
+        "    c = roots.closure\n"
+        "    try:\n"
+        f"{body}\n"
+        "    except Exception:\n"
+        "        return False\n"
+        "    return True\n"
+    )
+    exec(compile(source, "<loom guards>", "exec"), ns)
+    check: Callable[[Roots], bool] = ns["check"]
+    check.__doc__ = "\n".join(g.describe() for g in guards)
+    return check

@@ -1,0 +1,120 @@
+"""Symbolic values of the side-effect log and their mutation type.
+
+A value recorded by the log is one of: a constant (``None``, ``bool``, ``int``,
+``float``, ``complex``, ``str``, ``bytes``, ``...``, or a tuple/frozenset of
+constants), a :class:`Ref` to a tracked object, a :class:`TensorSlot` (an extra
+output of the graph), an :class:`Original` (an unmodified item of a pre-existing
+object, reached through its source), or a plain ``tuple`` of values. Invariant:
+values are immutable and never carry ``id()``; tracked objects are referred to
+by their :class:`Ref`, whose identity is the order in which they were tracked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, TypeAlias
+
+from ._sources import Source
+
+__all__ = [
+    "Missing",
+    "MutationType",
+    "ObjKind",
+    "Original",
+    "Ref",
+    "TensorSlot",
+    "Value",
+    "is_constant",
+]
+
+#: A recorded value: a constant, Ref, TensorSlot, Original, or a tuple of values.
+Value: TypeAlias = Any
+
+_CONSTANT_TYPES: frozenset[type] = frozenset(
+    {type(None), bool, int, float, complex, str, bytes, type(Ellipsis)}
+)
+
+
+def is_constant(value: object) -> bool:
+    """True for immutable constants replayed by value (exact builtin types only)."""
+    t = type(value)
+    if t in _CONSTANT_TYPES:
+        return True
+    if t is tuple or t is frozenset:
+        return all(is_constant(v) for v in value)  # type: ignore[attr-defined]
+    return False
+
+
+class MutationType(enum.Enum):
+    """Whether a tracked object existed before the hook ran or was created by it."""
+
+    #: Created during the trace: replayed only if it escapes into pre-existing state.
+    NEW = "new"
+    #: Existed before the trace: reached through a source, mutations are replayed.
+    PREEXISTING = "preexisting"
+
+
+class ObjKind(enum.Enum):
+    """How the log models a tracked object (subclasses keep their base's kind)."""
+
+    LIST = "list"
+    DICT = "dict"
+    SET = "set"
+    CELL = "cell"
+    FUNCTION = "function"
+    OBJECT = "object"
+
+
+class Missing(enum.Enum):
+    """What a symbolic read returns when the log holds no value."""
+
+    #: The trace did not write it: read the live object (pre-existing) or the
+    #: class (new object).
+    UNCHANGED = "unchanged"
+    #: Absent now: deleted during the trace, never set on a new object, a
+    #: missing dict key, or an empty cell. An attribute read then falls back to
+    #: the class; any other read raises.
+    ABSENT = "absent"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ref:
+    """A handle to an object tracked by one :class:`~loom_sidefx.SideEffects` builder.
+
+    ``index`` is the tracking order (deterministic for a deterministic trace).
+    """
+
+    index: int
+    mutation: MutationType
+    kind: ObjKind
+
+    @property
+    def is_new(self) -> bool:
+        return self.mutation is MutationType.NEW
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorSlot:
+    """Placeholder for the graph's extra output number ``index``."""
+
+    index: int
+
+    def describe(self) -> str:
+        return f"t{self.index}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Original:
+    """An item of a pre-existing object as it was before the hook ran.
+
+    Replay reaches it through ``source``, evaluated before any mutation is
+    applied. ``obj`` is the live object seen while tracing (for the tracer to
+    inspect and guard on); it takes no part in equality.
+    """
+
+    source: Source | None
+    obj: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def describe(self) -> str:
+        return self.source.describe() if self.source is not None else "<original without source>"
