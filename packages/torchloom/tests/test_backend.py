@@ -201,3 +201,40 @@ def test_inductor_codegen_matches_eager_in_training() -> None:
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
     assert any(s.detail == "inductor" for g in torchloom.report() for s in g.stages)
+
+
+def test_graph_aot_cannot_trace_falls_back_with_user_location(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Broken(PipelineStage):
+        name = "broken"
+
+        def before_codegen(
+            self,
+            ctx: GraphContext,
+            gm: torch.fx.GraphModule,
+            kind: GraphKind,
+            example_inputs: object,
+        ) -> torch.fx.GraphModule:
+            raise ValueError("codegen exploded")
+
+    stage = Broken()
+    STAGES.append(stage)
+    try:
+
+        def user_fn(x: torch.Tensor) -> torch.Tensor:
+            return x.sin() + 1
+
+        f = torch.compile(user_fn, backend="loom", options=EAGER)
+        x = torch.randn(3)
+        with caplog.at_level(logging.WARNING, logger="torchloom"):
+            torch.testing.assert_close(f(x), x.sin() + 1)
+        strict = torch.compile(user_fn, backend="loom", options={**EAGER, "strict": True})
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="codegen exploded"):
+            strict(x)
+    finally:
+        STAGES.remove(stage)
+    (g, *_) = torchloom.report()
+    assert g.fallback is not None
+    assert "codegen exploded" in g.fallback and "test_backend.py:" in g.fallback

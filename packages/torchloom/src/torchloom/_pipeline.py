@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -200,14 +201,41 @@ def _compile_cold(
         decompositions=compat.inductor_decompositions() if inductor else {},
         keep_inference_input_mutations=True,
     )
-    with (
-        _timed(ctx, "aot", "trace, partition and forward codegen"),
-        compat.codegen_context(example_inputs),
-    ):
-        compiled = backend(gm, example_inputs)
+    try:
+        with (
+            _timed(ctx, "aot", "trace, partition and forward codegen"),
+            compat.codegen_context(example_inputs),
+        ):
+            compiled = backend(gm, example_inputs)
+    except LoomRefusal:
+        raise
+    except Exception as err:  # AOTAutograd or codegen could not handle the graph
+        if options.strict:
+            raise
+        raise LoomRefusal(
+            Unsupported(
+                RefusalKind.AOT_FAILED,
+                _user_frame(gm),
+                f"{type(err).__name__}: {err}",
+                "run with TORCHLOOM_LOG=debug to see the graphs; strict=True raises here",
+            )
+        ) from err
     for stage in STAGES:
         compiled = stage.wrap_runtime(ctx, compiled)
     return compiled
+
+
+def _user_frame(gm: GraphModule) -> str:
+    """file:line of the user source line the graph's first node came from, if known."""
+    for node in gm.graph.nodes:
+        match = _FRAME.findall(node.meta.get("stack_trace") or "")
+        if match:
+            path, line = match[-1]
+            return f"{path}:{line}"
+    return ""
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def _eager_codegen(
