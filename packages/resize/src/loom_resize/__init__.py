@@ -1,5 +1,37 @@
-"""FX passes that functionalize `untyped_storage().resize_()` on graph inputs the way FSDP2 uses it, remove the `resize_(full) -> copy_ -> resize_(0)` chain, keep `fsdp.copy_` alias semantics, and refuse what cannot be functionalized soundly."""
+"""FX passes that functionalize ``untyped_storage().resize_()`` on graph inputs
+the way FSDP2 uses it, remove the ``resize_(full) -> copy_ -> resize_(0)``
+chain, keep ``fsdp.copy_`` alias semantics, and refuse what cannot be
+functionalized soundly.
+
+Run :func:`rewrite_fills_as_fsdp_copy` on the Dynamo graph (before
+AOTAutograd), then :func:`remove_resize_copy_resize` and
+:func:`move_shrinks_after_last_use` on each AOTAutograd graph.
+"""
+
+from loom_resize._chains import remove_resize_copy_resize
+from loom_resize._errors import ResizeKind, ResizeRefused, Unsupported
+from loom_resize._fills import rewrite_fills_as_fsdp_copy
+from loom_resize._pattern import FillOp, FSDPPatternStack
+from loom_resize._plan import InputResizes, ResizeCase, ResizePlan, plan_storage_resizes
+from loom_resize._result import Change, PassResult
+from loom_resize._shrinks import move_shrinks_after_last_use
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "Change",
+    "FSDPPatternStack",
+    "FillOp",
+    "InputResizes",
+    "PassResult",
+    "ResizeCase",
+    "ResizeKind",
+    "ResizePlan",
+    "ResizeRefused",
+    "Unsupported",
+    "__version__",
+    "move_shrinks_after_last_use",
+    "plan_storage_resizes",
+    "remove_resize_copy_resize",
+    "rewrite_fills_as_fsdp_copy",
+]

@@ -1,0 +1,193 @@
+"""Remove ``resize_(full) -> copy_ -> resize_(0)`` chains on graph inputs.
+
+Between the fill and the resize back to zero, every use of the input reads
+the fill's source instead, and the three mutations go away: the full-size
+parameter storage is never allocated. The input itself stays what the graph
+returns (what autograd saves for backward), so backward sees the original
+zero-storage parameter, as in eager. Runs on AOTAutograd's aten graphs
+(forward, backward, inference), after gradients have been decided; on the
+Dynamo graph it would cut the parameter out of autograd.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch.fx import GraphModule, Node
+
+from loom_resize import _torch_compat as compat
+from loom_resize._errors import ResizeKind, Unsupported
+from loom_resize._nodes import (
+    example_value,
+    fill_pairs,
+    finish_graph,
+    is_fill,
+    is_resize,
+    resize_size,
+)
+from loom_resize._plan import ResizeCase, plan_storage_resizes
+from loom_resize._result import Change, PassResult
+
+__all__ = ["remove_resize_copy_resize"]
+
+log = logging.getLogger("torchloom.resize")
+PASS = "remove_resize_copy_resize"
+
+
+def _writes(node: Node, target: Node) -> bool:
+    """True if ``node`` mutates ``target`` (by schema, or a Dynamo ``x.foo_()`` method)."""
+    if node.op == "call_method":
+        return (
+            isinstance(node.target, str)
+            and node.target.endswith("_")
+            and node.args[:1] == (target,)
+        )
+    for i, name in compat.written_arguments(node.target):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if target in values:
+            return True
+    return False
+
+
+def _is_view(node: Node) -> bool:
+    return node.op == "call_function" and compat.is_view_op(node.target)
+
+
+def _escaping_view(window: Iterable[Node], target: Node, output: Node) -> Node | None:
+    aliases = {target}
+    for node in window:
+        if _is_view(node) and node.args[:1] and node.args[0] in aliases:
+            aliases.add(node)
+            if output in node.users:
+                return node
+    return None
+
+
+def _same_metadata(dst: Node, src: object) -> str | None:
+    d, s = example_value(dst), example_value(src)
+    if not isinstance(s, torch.Tensor) or not isinstance(d, torch.Tensor):
+        return "the source is not a tensor"
+    for field in ("shape", "dtype", "device"):
+        if getattr(d, field) != getattr(s, field):
+            return f"{field} {getattr(s, field)} of the source vs {getattr(d, field)}"
+    if d.stride() != s.stride():
+        return f"stride {s.stride()} of the source vs {d.stride()}"
+    return None
+
+
+def _chains(
+    nodes: list[Node], target: Node, output: Node
+) -> tuple[list[tuple[Node, Node, object, list[Node], Node]], Unsupported | None]:
+    """Split the target's events into (resize up, fill, source, uses, resize down) chains."""
+    chains: list[tuple[Node, Node, object, list[Node], Node]] = []
+    state = "idle"
+    up = fill = None
+    src: object = None
+    uses: list[Node] = []
+
+    def left(kind: ResizeKind, why: str) -> Unsupported:
+        return Unsupported(kind, f"input {target.name!r}", why, "left in the graph; still correct")
+
+    for node in nodes:
+        if node is output:
+            continue
+        touches = target in node.all_input_nodes
+        if is_resize(node) and node.args[0] is target:
+            if resize_size(node) and state == "idle":
+                state, up = "up", node
+            elif not resize_size(node) and state == "filled":
+                assert up is not None and fill is not None
+                chains.append((up, fill, src, uses, node))
+                state, uses = "idle", []
+            else:
+                return [], left(
+                    ResizeKind.UNPAIRED_RESIZES, f"{node.name} breaks the (up, copy, down) order"
+                )
+        elif is_fill(node) and any(d is target for d, _ in fill_pairs(node)):
+            if state != "up":
+                return [], left(
+                    ResizeKind.UNPAIRED_RESIZES, f"{node.name} fills outside a resize-up"
+                )
+            fill = node
+            src = next(s for d, s in fill_pairs(node) if d is target)
+            if (why := _same_metadata(target, src)) is not None:
+                return [], left(ResizeKind.METADATA_MISMATCH, f"{node.name}: {why}")
+            state = "filled"
+        elif touches and _writes(node, target):
+            return [], left(ResizeKind.OTHER_MUTATION, f"{node.name} mutates it")
+        elif touches and state == "filled":
+            uses.append(node)
+        elif touches and state == "up":
+            return [], left(ResizeKind.UNPAIRED_RESIZES, f"{node.name} reads it before the fill")
+    if state != "idle":
+        return [], left(ResizeKind.UNPAIRED_RESIZES, "a resize-up is not matched by a resize to 0")
+    for _, _, _, window, _ in chains:
+        if (view := _escaping_view(window, target, output)) is not None:
+            return [], left(
+                ResizeKind.VIEW_ESCAPES,
+                f"view {view.name!r} of it is returned; reading the source would keep the "
+                "full buffer alive",
+            )
+    return chains, None
+
+
+def _drop_fill(gm: GraphModule, fill: Node, target: Node) -> None:
+    pairs = list(fill_pairs(fill))
+    rest = [(d, s) for d, s in pairs if d is not target]
+    if rest:
+        fill.args = ([d for d, _ in rest], [s for _, s in rest], *fill.args[2:])
+        return
+    if fill.users:
+        fill.replace_all_uses_with(target)
+    gm.graph.erase_node(fill)
+
+
+def remove_resize_copy_resize(gm: GraphModule) -> PassResult:
+    """Drop every ``resize up -> fill -> uses -> resize to 0`` chain on a graph input.
+
+    Inputs whose chain cannot be removed soundly are left alone; the reason is
+    in ``PassResult.left_alone``.
+
+    >>> result = remove_resize_copy_resize(fw_gm)  # doctest: +SKIP
+    >>> [str(c) for c in result.changes]  # doctest: +SKIP
+    ["remove_resize_copy_resize: input 'primals_1': 1 chain(s), 2 use(s) read 'all_gather'"]
+    """
+    plan = plan_storage_resizes(gm)
+    output = gm.graph.output_node()
+    by_name = {n.name: n for n in gm.graph.nodes}
+    changes: list[Change] = []
+    left_alone: list[Unsupported] = []
+    for info in plan.inputs:
+        if info.case is not ResizeCase.UP_DOWN:
+            continue
+        target = by_name[info.name]
+        chains, reason = _chains(list(gm.graph.nodes), target, output)
+        if reason is not None:
+            left_alone.append(reason)
+            continue
+        reads = 0
+        for up, fill, src, uses, down in chains:
+            for use in uses:
+                use.replace_input_with(target, src)  # type: ignore[arg-type]
+                use.meta["loom_pass"] = PASS
+                reads += 1
+            _drop_fill(gm, fill, target)
+            gm.graph.erase_node(up)
+            gm.graph.erase_node(down)
+        sources = ", ".join(sorted({getattr(s, "name", repr(s)) for _, _, s, _, _ in chains}))
+        changes.append(
+            Change(
+                PASS,
+                f"input {target.name!r}",
+                f"{len(chains)} chain(s), {reads} use(s) read {sources}",
+            )
+        )
+    if changes:
+        finish_graph(gm)
+        log.debug("%s: %s", PASS, "; ".join(str(c) for c in changes))
+    for reason in left_alone:
+        log.debug("%s: left alone %s", PASS, reason)
+    return PassResult(gm, bool(changes), tuple(changes), tuple(left_alone))
