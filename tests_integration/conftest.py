@@ -1,0 +1,56 @@
+"""Shared fixtures for the integration tier.
+
+Every test starts from a clean compiler state: Dynamo's caches and counters
+and torchloom's report are reset before and after it, so a test's graphs and
+recompiles are its own. ``tests_integration/`` is put on ``sys.path`` so tests
+import the program corpus as ``corpus``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+
+def _reset_compilers() -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        torchloom = importlib.import_module("torchloom")
+    except ImportError:  # the umbrella is not installed in this environment
+        return
+    reset = getattr(torchloom, "reset", None)
+    if reset is not None:
+        reset()
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler_state() -> Iterator[None]:
+    _reset_compilers()
+    yield
+    _reset_compilers()
+
+
+@pytest.fixture
+def cuda_without_tf32() -> Iterator[torch.device]:
+    """The CUDA device with TF32 off for matmuls and convolutions, restored after."""
+    if not torch.cuda.is_available():
+        pytest.fail("a gpu-marked test ran without CUDA: run it through scripts/gpu_tier.sh")
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield torch.device("cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
