@@ -1,0 +1,109 @@
+"""Local tier first, remote tier second; the remote tier can never fail a compile.
+
+A lookup that misses locally asks the remote tier and copies a remote hit
+into the local tier. When the remote tier is down or slow (every call has a
+bounded timeout) the store logs one warning, stops asking it for
+``retry_after_s`` seconds and goes on with the local tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+from loom_cache._entry import Entry
+from loom_cache._local import LocalStore
+from loom_cache._store import EntryInfo, Lookup, Store, StoreUnavailable
+
+log = logging.getLogger("torchloom.cache")
+
+
+class TieredStore:
+    """``LocalStore`` in front of an optional remote store (e.g. ``RedisStore``)."""
+
+    name = "tiered"
+
+    def __init__(
+        self, local: LocalStore, remote: Store | None = None, *, retry_after_s: float = 30.0
+    ) -> None:
+        self.local = local
+        self.remote = remote
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0
+        self._warned = False
+        self.remote_errors = 0
+
+    def _remote_usable(self) -> bool:
+        return self.remote is not None and time.monotonic() >= self._down_until
+
+    def _remote_failed(self, exc: StoreUnavailable) -> None:
+        self.remote_errors += 1
+        self._down_until = time.monotonic() + self.retry_after_s
+        if not self._warned:
+            self._warned = True
+            log.warning("loom cache: remote tier unavailable, using the local tier only: %s", exc)
+        else:
+            log.debug("loom cache: remote tier still unavailable: %s", exc)
+
+    def lookup(self, digest: str) -> Lookup:
+        local = self.local.lookup(digest)
+        if local.hit or not self._remote_usable():
+            return local
+        assert self.remote is not None
+        try:
+            remote = self.remote.lookup(digest)
+        except StoreUnavailable as exc:
+            self._remote_failed(exc)
+            return Lookup(None, self.local.name, f"{local.reason}; remote unavailable")
+        if remote.entry is not None:
+            self.local.put(remote.entry)
+            return remote
+        return Lookup(None, remote.tier, f"{local.reason} locally, {remote.reason} remotely")
+
+    def put(self, entry: Entry) -> None:
+        self.local.put(entry)
+        if self._remote_usable():
+            assert self.remote is not None
+            try:
+                self.remote.put(entry)
+            except StoreUnavailable as exc:
+                self._remote_failed(exc)
+
+    def delete(self, digest: str) -> bool:
+        removed = self.local.delete(digest)
+        if self._remote_usable():
+            assert self.remote is not None
+            try:
+                removed = self.remote.delete(digest) or removed
+            except StoreUnavailable as exc:
+                self._remote_failed(exc)
+        return removed
+
+    def entries(self) -> Iterator[EntryInfo]:
+        yield from self.local.entries()
+
+    def clear(self) -> int:
+        removed = self.local.clear()
+        if self._remote_usable():
+            assert self.remote is not None
+            try:
+                removed += self.remote.clear()
+            except StoreUnavailable as exc:
+                self._remote_failed(exc)
+        return removed
+
+
+def open_default_store() -> TieredStore:
+    """The local store under the user cache directory, plus Redis when
+    ``TORCHLOOM_REMOTE_CACHE`` names one (an unusable URL only warns)."""
+    from loom_cache._redis import RedisStore, remote_url_from_env
+
+    remote: Store | None = None
+    url = remote_url_from_env()
+    if url:
+        try:
+            remote = RedisStore(url)
+        except (StoreUnavailable, ValueError) as exc:
+            log.warning("loom cache: ignoring TORCHLOOM_REMOTE_CACHE=%s: %s", url, exc)
+    return TieredStore(LocalStore(), remote)

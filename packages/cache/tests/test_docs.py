@@ -1,0 +1,15 @@
+"""The doc page lists every bypass kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loom_cache import CacheBypassKind
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "cache.md"
+
+
+def test_every_bypass_kind_is_documented() -> None:
+    text = DOC.read_text()
+    missing = [k.name for k in CacheBypassKind if f"`{k.name}`" not in text]
+    assert not missing, f"docs/cache.md lacks {missing}"

@@ -1,0 +1,133 @@
+"""The local store: atomic, concurrent, bounded, and loud about damage."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from loom_cache import CacheKey, Entry, KeyComponent, LocalStore, encode_entry
+
+
+def _key(i: int, program: str = "prog") -> CacheKey:
+    return CacheKey(program, (KeyComponent("graph", f"{i:064x}", f"graph {i}"),))
+
+
+def _entry(i: int, size: int = 100) -> Entry:
+    return Entry(_key(i), bytes([i % 256]) * size)
+
+
+def test_put_then_lookup_hits_and_absent_key_misses(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.put(_entry(1))
+    found = store.lookup(_key(1).digest)
+    assert found.hit and found.entry is not None and found.entry.payload == _entry(1).payload
+    assert store.lookup(_key(2).digest).reason == "absent"
+
+
+def _writer(root: str, worker: int, rounds: int) -> None:
+    store = LocalStore(root)
+    for r in range(rounds):
+        # Every worker writes the same key with a payload of its own.
+        store.put(Entry(_key(7), bytes([worker]) * (50_000 + r)))
+        found = store.lookup(_key(7).digest)
+        assert found.entry is not None, found.reason
+
+
+def test_several_processes_writing_the_same_key_leave_a_whole_entry(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), w, 20)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    found = LocalStore(tmp_path).lookup(_key(7).digest)
+    assert found.entry is not None
+    assert len(set(found.entry.payload)) == 1  # one writer's payload, never a mix
+    assert not list((tmp_path / "v1" / "tmp").iterdir())
+
+
+def test_truncated_entry_is_a_miss_with_a_reason_and_is_removed(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.put(_entry(3, 1000))
+    path = store.path_of(_key(3).digest)
+    path.write_bytes(path.read_bytes()[:-10])
+    found = store.lookup(_key(3).digest)
+    assert not found.hit and "truncated" in found.reason
+    assert not path.exists()
+    assert store.stats().corrupt == 1
+
+
+def test_corrupted_entry_is_a_miss(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.put(_entry(4, 1000))
+    path = store.path_of(_key(4).digest)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert "checksum" in store.lookup(_key(4).digest).reason
+
+
+def test_garbage_and_version_mismatch_are_misses(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    digest = _key(5).digest
+    store.path_of(digest).parent.mkdir(parents=True, exist_ok=True)
+    store.path_of(digest).write_bytes(b"\x00garbage")
+    assert "magic" in store.lookup(digest).reason
+    store.path_of(digest).write_bytes(
+        encode_entry(_entry(5)).replace(b'"format": 1', b'"format": 2')
+    )
+    assert "format" in store.lookup(digest).reason
+
+
+def test_crash_mid_write_leaves_the_store_readable(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.put(_entry(6))
+    # A writer killed after writing half its temporary file.
+    stale = tmp_path / "v1" / "tmp" / f"{_key(6).digest}.entry.999.dead.tmp"
+    stale.write_bytes(encode_entry(_entry(6))[:20])
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    assert store.lookup(_key(6).digest).hit
+    store.put(_entry(8))  # the next put sweeps stale temporaries
+    assert not stale.exists()
+
+
+def test_lru_eviction_keeps_the_recently_used_entries(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, max_bytes=10**9)
+    for i in range(5):
+        store.put(_entry(i, 1000))
+        os.utime(store.path_of(_key(i).digest), (1000.0 + i, 1000.0 + i))
+    assert store.lookup(_key(0).digest).hit  # refreshes entry 0
+    size = store.path_of(_key(0).digest).stat().st_size
+    store.evict(3 * size)
+    left = {info.key for info in store.entries()}
+    assert left == {_key(0), _key(3), _key(4)}
+
+
+def test_size_bound_is_enforced_on_put(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, max_bytes=5000)
+    for i in range(10):
+        store.put(_entry(i, 1000))
+    assert store.stats().bytes <= 5000
+    assert store.lookup(_key(9).digest).hit
+
+
+def test_stats_count_hits_and_misses(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.record(hit=False)
+    store.record(hit=True)
+    store.record(hit=True)
+    stats = store.stats()
+    assert (stats.hits, stats.misses) == (2, 1)
+    assert stats.hit_rate == pytest.approx(2 / 3)
+
+
+def test_cache_dir_comes_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(tmp_path / "here"))
+    assert LocalStore().root == tmp_path / "here"

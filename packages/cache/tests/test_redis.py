@@ -1,0 +1,60 @@
+"""The Redis tier against a real redis-server on loopback."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from loom_cache import CacheKey, Entry, KeyComponent, LocalStore, RedisStore, TieredStore
+
+
+def _entry(i: int) -> Entry:
+    return Entry(CacheKey("prog", (KeyComponent("graph", f"{i:064x}", "g"),)), b"x" * 1000)
+
+
+def test_second_machine_hits_through_redis_and_fills_its_local_tier(
+    tmp_path: Path, redis_server: object
+) -> None:
+    url = redis_server.url  # type: ignore[attr-defined]
+    first = TieredStore(LocalStore(tmp_path / "a"), RedisStore(url))
+    second = TieredStore(LocalStore(tmp_path / "b"), RedisStore(url))
+    first.put(_entry(1))
+    found = second.lookup(_entry(1).digest)
+    assert found.hit and found.tier == "redis"
+    assert second.local.lookup(_entry(1).digest).hit
+
+
+def test_corrupt_remote_entry_is_a_miss(tmp_path: Path, redis_server: object) -> None:
+    remote = RedisStore(redis_server.url)  # type: ignore[attr-defined]
+    remote.put_raw(_entry(2).digest, b"LOOMCACHE\x00junk")
+    found = TieredStore(LocalStore(tmp_path), remote).lookup(_entry(2).digest)
+    assert not found.hit and "corrupt" in found.reason
+
+
+def test_redis_stopped_mid_run_degrades_to_local_with_one_warning(
+    tmp_path: Path, redis_server: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = TieredStore(LocalStore(tmp_path), RedisStore(redis_server.url, timeout_s=0.5))  # type: ignore[attr-defined]
+    store.put(_entry(3))
+    redis_server.stop()  # type: ignore[attr-defined]
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    start = time.monotonic()
+    store.put(_entry(4))
+    assert store.lookup(_entry(4).digest).hit  # local tier still serves
+    assert not store.lookup(_entry(5).digest).hit
+    store.put(_entry(6))
+    elapsed = time.monotonic() - start
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "remote tier unavailable" in warnings[0].getMessage()
+    assert store.remote_errors == 1  # later calls skip the dead tier instead of waiting again
+    assert elapsed < 30  # bounded: no hang (a generous bound, not a timing benchmark)
+
+
+def test_unreachable_redis_from_the_start_never_fails_a_lookup(tmp_path: Path) -> None:
+    store = TieredStore(LocalStore(tmp_path), RedisStore("redis://127.0.0.1:1/0", timeout_s=0.2))
+    assert store.lookup(_entry(7).digest).reason.endswith("remote unavailable")
+    store.put(_entry(7))
+    assert store.lookup(_entry(7).digest).hit
