@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,12 +13,16 @@ from loom_sidefx import (
     ArgSource,
     AttrSource,
     GlobalSource,
+    Missing,
     ObjKind,
+    OpKind,
     PlanCheckError,
     ReplayPlan,
     Roots,
     SideEffects,
 )
+
+from .conftest import shape
 
 
 class CountingList(list[Any]):
@@ -184,3 +189,319 @@ def test_attr_source_reaches_nested_objects() -> None:
     fresh.inner = Stats()  # type: ignore[attr-defined]
     plan.apply(Roots((fresh,), {}))
     assert fresh.inner.calls == 9  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------- differential
+Trace = Callable[[SideEffects, dict[str, Any]], tuple[Any, ...]]
+
+
+def differential(
+    make_state: Callable[[], dict[str, Any]],
+    real: Callable[[dict[str, Any]], Any],
+    trace: Trace,
+    tensors: tuple[Any, ...] = (),
+) -> ReplayPlan:
+    """Trace on one state, replay on a second, run the real code on a third; compare."""
+    traced_state = make_state()
+    se = SideEffects()
+    results = trace(se, traced_state)
+    plan = se.build(results)
+    plan.check()
+    assert shape(traced_state) == shape(make_state()), "tracing mutated live state"
+
+    expected_state = make_state()
+    expected_result = real(expected_state)
+    replayed_state = make_state()
+    got = plan.apply(Roots((), replayed_state), tensors)
+    assert shape(replayed_state) == shape(expected_state)
+    if results:
+        assert shape(got[0] if len(got) == 1 else got) == shape(expected_result)
+    return plan
+
+
+def G(se: SideEffects, g: dict[str, Any], name: str) -> Any:
+    return se.track_existing(g[name], GlobalSource(name))
+
+
+def test_a_new_dict_mutated_after_it_escaped_is_replayed_with_its_final_state() -> None:
+    def real(g: dict[str, Any]) -> None:
+        d: dict[str, Any] = {}
+        g["log"].append(d)
+        d["loss"] = "T"
+        d["tags"] = ["a"]
+
+    def trace(se: SideEffects, g: dict[str, Any]) -> tuple[Any, ...]:
+        d = se.track_new(ObjKind.DICT)
+        se.list_append(G(se, g, "log"), d)
+        se.dict_setitem(d, "loss", se.new_tensor_slot())
+        se.dict_setitem(d, "tags", se.track_new(ObjKind.LIST, ["a"]))
+        return ()
+
+    differential(lambda: {"log": [1]}, real, trace, ("T",))
+
+
+def test_a_new_object_shared_by_two_containers_stays_one_object() -> None:
+    def real(g: dict[str, Any]) -> None:
+        d = {"k": 1}
+        g["a"].append(d)
+        g["b"]["x"] = d
+
+    def trace(se: SideEffects, g: dict[str, Any]) -> tuple[Any, ...]:
+        d = se.track_new(ObjKind.DICT, {"k": 1})
+        se.list_append(G(se, g, "a"), d)
+        se.dict_setitem(G(se, g, "b"), "x", d)
+        return ()
+
+    differential(lambda: {"a": [], "b": {}}, real, trace)
+
+
+def test_a_new_list_that_contains_itself_is_materialized() -> None:
+    def real(g: dict[str, Any]) -> None:
+        xs: list[Any] = [1]
+        xs.append(xs)
+        g["out"] = xs
+
+    def trace(se: SideEffects, g: dict[str, Any]) -> tuple[Any, ...]:
+        xs = se.track_new(ObjKind.LIST, [1])
+        se.list_append(xs, xs)
+        se.store_global("out", xs)
+        return ()
+
+    differential(lambda: {}, real, trace)
+
+
+def test_deletes_of_attributes_keys_items_and_globals() -> None:
+    def make() -> dict[str, Any]:
+        obj = Stats()
+        obj.tmp = 1  # type: ignore[attr-defined]
+        return {"obj": obj, "d": {"a": 1, "b": 2}, "xs": [1, 2, 3], "s": {1, 2}, "gone": 0}
+
+    def real(g: dict[str, Any]) -> None:
+        del g["obj"].tmp
+        del g["d"]["a"]
+        del g["xs"][-2]
+        g["s"].discard(1)
+        del g["gone"]
+
+    def trace(se: SideEffects, g: dict[str, Any]) -> tuple[Any, ...]:
+        se.del_attr(G(se, g, "obj"), "tmp")
+        se.dict_delitem(G(se, g, "d"), "a")
+        se.list_delitem(G(se, g, "xs"), -2)
+        se.set_discard(G(se, g, "s"), 1)
+        se.del_global("gone")
+        return ()
+
+    differential(make, real, trace)
+
+
+def test_list_extend_reverse_clear_and_set_mutations() -> None:
+    def real(g: dict[str, Any]) -> None:
+        g["xs"].extend([4, 5])
+        g["xs"].reverse()
+        g["ys"].clear()
+        g["s"].add("c")
+        g["s"].update({"d"})
+        g["s2"].clear()
+
+    def trace(se: SideEffects, g: dict[str, Any]) -> tuple[Any, ...]:
+        se.list_extend(G(se, g, "xs"), [4, 5])
+        se.list_reverse(G(se, g, "xs"))
+        se.list_clear(G(se, g, "ys"))
+        se.set_add(G(se, g, "s"), "c")
+        se.set_update(G(se, g, "s"), ["d"])
+        se.set_clear(G(se, g, "s2"))
+        return ()
+
+    differential(lambda: {"xs": [1], "ys": [2], "s": {"a"}, "s2": {1}}, real, trace)
+
+
+def test_an_original_item_keeps_its_identity_after_the_list_shifts() -> None:
+    def make() -> dict[str, Any]:
+        first = Stats()
+        return {"xs": [first, "b"], "ys": []}
+
+    def real(g: dict[str, Any]) -> None:
+        g["xs"].insert(0, "new")
+        g["ys"].append(g["xs"][1])
+
+    def trace(se: SideEffects, g: dict[str, Any]) -> tuple[Any, ...]:
+        xs = G(se, g, "xs")
+        se.list_insert(xs, 0, "new")
+        se.list_append(G(se, g, "ys"), se.list_items(xs)[1])
+        return ()
+
+    plan = differential(make, real, trace)
+    g = make()
+    plan.apply(Roots((), g))
+    assert g["ys"][0] is g["xs"][1]
+
+
+def test_class_and_module_attributes_are_stored_raw() -> None:
+    import types as pytypes
+
+    class Config:
+        level = 0
+
+    module = pytypes.ModuleType("m")
+
+    def make() -> dict[str, Any]:
+        Config.level = 0
+        return {"Config": Config, "m": module}
+
+    def real(g: dict[str, Any]) -> None:
+        g["Config"].level = 3
+        g["m"].flag = True
+
+    def trace(se: SideEffects, g: dict[str, Any]) -> tuple[Any, ...]:
+        se.store_attr(G(se, g, "Config"), "level", 3)
+        se.store_attr(G(se, g, "m"), "flag", True)
+        return ()
+
+    plan = differential(make, real, trace)
+    g = make()
+    plan.apply(Roots((), g))
+    assert Config.level == 3 and module.flag is True  # type: ignore[attr-defined]
+
+
+def test_new_user_objects_and_subclass_instances_escape_with_their_attributes() -> None:
+    def real(g: dict[str, Any]) -> Any:
+        rec = Stats()
+        rec.calls = 2
+        items = CountingList()
+        list.append(items, "t")
+        items.owner = rec  # type: ignore[attr-defined]
+        g["holder"].latest = items
+        return rec
+
+    def trace(se: SideEffects, g: dict[str, Any]) -> tuple[Any, ...]:
+        rec = se.track_new(ObjKind.OBJECT, cls=Stats)
+        se.store_attr(rec, "calls", 0)
+        se.store_attr(rec, "calls", 2)
+        items = se.track_new(ObjKind.LIST, cls=CountingList)
+        se.list_append(items, "t")
+        se.store_attr(items, "owner", rec)
+        se.store_attr(G(se, g, "holder"), "latest", items)
+        return (rec,)
+
+    CountingList.appends = 0
+    differential(lambda: {"holder": Stats()}, real, trace)
+    assert CountingList.appends == 0
+
+
+def test_results_materialize_new_values_that_do_not_escape() -> None:
+    se = SideEffects()
+    slot = se.new_tensor_slot()
+    d = se.track_new(ObjKind.DICT, {"t": slot})
+    plan = se.build((d, (slot, 3)))
+    got = plan.apply(Roots((), {}), ("T",))
+    assert got == ({"t": "T"}, ("T", 3))
+    assert plan.tensor_slots_used == (0,)
+
+
+def test_a_new_function_capturing_a_new_and_a_preexisting_cell_escapes() -> None:
+    import types as pytypes
+
+    def factory() -> Any:
+        a = 0
+        b = 0
+
+        def inner() -> tuple[int, int]:
+            return a, b
+
+        return inner
+
+    code = next(c for c in factory.__code__.co_consts if isinstance(c, pytypes.CodeType))
+    live_cell = pytypes.CellType(7)
+    se = SideEffects()
+    new_cell = se.track_new_cell(5)
+    old_cell = se.track_existing(live_cell, GlobalSource("c"))
+    fn = se.track_new_function(code, "inner", closure=(new_cell, old_cell))
+    g: dict[str, Any] = {"c": live_cell, "hooks": []}
+    se.list_append(se.track_existing(g["hooks"], GlobalSource("hooks")), fn)
+    plan = se.build()
+    assert "new function inner code=inner closure=(n0, G['c'])" in plan.describe()
+    plan.apply(Roots((), g))
+    (inner,) = g["hooks"]
+    assert inner() == (5, 7)
+    live_cell.cell_contents = 8
+    assert inner() == (5, 8), "the escaped function shares the live pre-existing cell"
+
+
+def test_preexisting_cell_write_and_delete_replay_through_cell_contents() -> None:
+    import types as pytypes
+
+    cell = pytypes.CellType(1)
+    se = SideEffects()
+    ref = se.track_existing(cell, GlobalSource("cell"))
+    assert se.load_cell(ref) == 1
+    se.store_cell(ref, 2)
+    se.del_cell(ref)
+    assert se.load_cell(ref) is Missing.ABSENT
+    se.store_cell(ref, 3)
+    plan = se.build()
+    target = pytypes.CellType(0)
+    plan.apply(Roots((), {"cell": target}))
+    assert target.cell_contents == 3
+
+
+# ----------------------------------------------------------------------- check
+def _valid_plan() -> ReplayPlan:
+    g: dict[str, Any] = {"xs": [], "d": {}}
+    se = SideEffects()
+    xs = se.track_existing(g["xs"], GlobalSource("xs"))
+    new = se.track_new(ObjKind.DICT, {"t": se.new_tensor_slot()})
+    se.list_append(xs, new)
+    se.dict_setitem(se.track_existing(g["d"], GlobalSource("d")), "k", 1)
+    return se.build()
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda p: dataclasses.replace(p, num_tensor_slots=0), "tensor slot 0 out of range"),
+        (lambda p: dataclasses.replace(p, new_objects=()), "which the plan does not define"),
+        (
+            lambda p: dataclasses.replace(
+                p, ops=(dataclasses.replace(p.ops[0], target=p.new_objects[0].ref),)
+            ),
+            "is not pre-existing",
+        ),
+        (
+            lambda p: dataclasses.replace(
+                p, ops=(dataclasses.replace(p.ops[0], kind=OpKind.DICT_CLEAR),)
+            ),
+            "is a list",
+        ),
+        (
+            lambda p: dataclasses.replace(p, ops=(dataclasses.replace(p.ops[1], key=[1]),)),
+            "not a hashable constant",
+        ),
+        (
+            lambda p: dataclasses.replace(p, ops=(dataclasses.replace(p.ops[0], args=()),)),
+            "expects 1 values",
+        ),
+        (lambda p: dataclasses.replace(p, preexisting=p.preexisting * 2), "listed twice"),
+        (lambda p: dataclasses.replace(p, results=(object(),)), "is not replayable"),
+        (
+            lambda p: dataclasses.replace(
+                p, new_objects=(dataclasses.replace(p.new_objects[0], cls=list),)
+            ),
+            "has class",
+        ),
+    ],
+)
+def test_check_names_the_corruption(
+    corrupt: Callable[[ReplayPlan], ReplayPlan], message: str
+) -> None:
+    plan = _valid_plan()
+    plan.check()
+    with pytest.raises(PlanCheckError, match=message):
+        corrupt(plan).check()
+
+
+def test_a_plan_is_reusable_across_calls_and_compiles_once() -> None:
+    plan = _valid_plan()
+    for i in range(3):
+        g: dict[str, Any] = {"xs": [], "d": {}}
+        plan.apply(Roots((), g), (i,))
+        assert g == {"xs": [{"t": i}], "d": {"k": 1}}

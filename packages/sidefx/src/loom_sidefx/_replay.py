@@ -500,35 +500,54 @@ def _raw_delattr(obj: object, name: str) -> None:
 
 
 def _op_fn(op: Op, value_fn: Callable[[Value], ValueFn], slots: dict[Any, int]) -> OpFn:
+    """One closure per op; the target index, key and value getter are bound at compile time."""
     k, key = op.kind, op.key
     i = slots[op.target] if op.target is not None else -1
-    vf = value_fn(op.args[0]) if op.args else None
-    if k is OpKind.LIST_EXTEND:
-        fns = tuple(value_fn(v) for v in op.args)
-        return lambda env, t, r: list.extend(env[i], [f(env, t) for f in fns])
-    if vf is not None:
-        one: dict[OpKind, OpFn] = {
-            OpKind.STORE_ATTR: lambda env, t, r: _raw_setattr(env[i], key, vf(env, t)),
-            OpKind.LIST_APPEND: lambda env, t, r: list.append(env[i], vf(env, t)),
-            OpKind.LIST_SETITEM: lambda env, t, r: list.__setitem__(env[i], key, vf(env, t)),
-            OpKind.LIST_INSERT: lambda env, t, r: list.insert(env[i], key, vf(env, t)),
-            OpKind.DICT_SETITEM: lambda env, t, r: dict.__setitem__(env[i], key, vf(env, t)),
-            OpKind.STORE_GLOBAL: lambda env, t, r: r.globals.__setitem__(key, vf(env, t)),
-            OpKind.STORE_CELL: lambda env, t, r: setattr(env[i], "cell_contents", vf(env, t)),
-        }
-        return one[k]
-    zero: dict[OpKind, OpFn] = {
-        OpKind.DEL_ATTR: lambda env, t, r: _raw_delattr(env[i], key),
-        OpKind.LIST_DELITEM: lambda env, t, r: list.__delitem__(env[i], key),
-        OpKind.LIST_POP: lambda env, t, r: list.pop(env[i], key) and None,
-        OpKind.LIST_CLEAR: lambda env, t, r: list.clear(env[i]),
-        OpKind.LIST_REVERSE: lambda env, t, r: list.reverse(env[i]),
-        OpKind.DICT_DELITEM: lambda env, t, r: dict.__delitem__(env[i], key),
-        OpKind.DICT_CLEAR: lambda env, t, r: dict.clear(env[i]),
-        OpKind.SET_ADD: lambda env, t, r: set.add(env[i], key),
-        OpKind.SET_DISCARD: lambda env, t, r: set.discard(env[i], key),
-        OpKind.SET_CLEAR: lambda env, t, r: set.clear(env[i]),
-        OpKind.DEL_GLOBAL: lambda env, t, r: r.globals.__delitem__(key),
-        OpKind.DEL_CELL: lambda env, t, r: delattr(env[i], "cell_contents"),
-    }
-    return zero[k]
+    fns = tuple(value_fn(v) for v in op.args)
+    vf = fns[0] if fns else _no_value
+    match k:
+        case OpKind.STORE_ATTR:
+            return lambda env, t, r: _raw_setattr(env[i], key, vf(env, t))
+        case OpKind.DEL_ATTR:
+            return lambda env, t, r: _raw_delattr(env[i], key)
+        case OpKind.LIST_APPEND:
+            return lambda env, t, r: list.append(env[i], vf(env, t))
+        case OpKind.LIST_EXTEND:
+            return lambda env, t, r: list.extend(env[i], [f(env, t) for f in fns])
+        case OpKind.LIST_SETITEM:
+            return lambda env, t, r: list.__setitem__(env[i], key, vf(env, t))
+        case OpKind.LIST_DELITEM:
+            return lambda env, t, r: list.__delitem__(env[i], key)
+        case OpKind.LIST_INSERT:
+            return lambda env, t, r: list.insert(env[i], key, vf(env, t))
+        case OpKind.LIST_POP:
+            return lambda env, t, r: list.__delitem__(env[i], key)
+        case OpKind.LIST_CLEAR:
+            return lambda env, t, r: list.clear(env[i])
+        case OpKind.LIST_REVERSE:
+            return lambda env, t, r: list.reverse(env[i])
+        case OpKind.DICT_SETITEM:
+            return lambda env, t, r: dict.__setitem__(env[i], key, vf(env, t))
+        case OpKind.DICT_DELITEM:
+            return lambda env, t, r: dict.__delitem__(env[i], key)
+        case OpKind.DICT_CLEAR:
+            return lambda env, t, r: dict.clear(env[i])
+        case OpKind.SET_ADD:
+            return lambda env, t, r: set.add(env[i], key)
+        case OpKind.SET_DISCARD:
+            return lambda env, t, r: set.discard(env[i], key)
+        case OpKind.SET_CLEAR:
+            return lambda env, t, r: set.clear(env[i])
+        case OpKind.STORE_GLOBAL:
+            return lambda env, t, r: r.globals.__setitem__(key, vf(env, t))
+        case OpKind.DEL_GLOBAL:
+            return lambda env, t, r: r.globals.__delitem__(key)
+        case OpKind.STORE_CELL:
+            return lambda env, t, r: setattr(env[i], "cell_contents", vf(env, t))
+        case OpKind.DEL_CELL:
+            return lambda env, t, r: delattr(env[i], "cell_contents")
+    raise AssertionError(f"no replay for {k}")
+
+
+def _no_value(env: Env, t: Sequence[Any]) -> Any:
+    raise AssertionError("op has no value")

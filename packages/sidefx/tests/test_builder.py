@@ -1,0 +1,229 @@
+"""Recording side effects: tracked objects, symbolic views, typed refusals."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+
+from loom_sidefx import (
+    ArgSource,
+    GlobalSource,
+    ItemSource,
+    Missing,
+    MutationType,
+    ObjKind,
+    Original,
+    SideEffectRefusal,
+    SideEffectRefused,
+    SideEffects,
+    TensorSlot,
+)
+
+
+class Plain:
+    def __init__(self) -> None:
+        self.a = 1
+
+
+class WithProperty:
+    @property
+    def p(self) -> int:
+        return 1
+
+    @p.setter
+    def p(self, value: int) -> None:
+        raise AssertionError("user code must not run")
+
+
+class Slotted:
+    __slots__ = ("x",)
+
+
+def refusal(fn: Any, *args: Any) -> SideEffectRefusal:
+    with pytest.raises(SideEffectRefused) as info:
+        fn(*args)
+    return info.value.reason.kind
+
+
+def test_tracking_the_same_object_twice_returns_one_ref() -> None:
+    xs: list[int] = []
+    se = SideEffects()
+    a = se.track_existing(xs, GlobalSource("xs"))
+    b = se.track_existing(xs, ItemSource(GlobalSource("holder"), 0))
+    assert a == b and a.mutation is MutationType.PREEXISTING and a.kind is ObjKind.LIST
+    assert se.source_of(a) == GlobalSource("xs"), "the first source wins"
+    assert se.tracked(xs) == a and se.tracked([]) is None
+
+
+def test_subclasses_keep_their_base_kind() -> None:
+    class L(list[int]):
+        pass
+
+    class D(dict[str, int]):
+        pass
+
+    se = SideEffects()
+    assert se.track_existing(L(), None).kind is ObjKind.LIST
+    assert se.track_existing(D(), None).kind is ObjKind.DICT
+    assert se.track_existing({1}, None).kind is ObjKind.SET
+    assert se.track_existing(Plain(), None).kind is ObjKind.OBJECT
+
+
+def test_views_show_mutations_made_earlier_in_the_same_trace() -> None:
+    inner = [0]
+    xs = [1, inner, "s"]
+    se = SideEffects()
+    ref = se.track_existing(xs, GlobalSource("xs"))
+    slot = se.new_tensor_slot()
+    se.list_append(ref, slot)
+    items = se.list_items(ref)
+    assert items[0] == 1 and items[2] == "s" and items[3] == TensorSlot(0)
+    assert items[1] == Original(ItemSource(GlobalSource("xs"), 1))
+    assert items[1].obj is inner
+    assert xs == [1, inner, "s"], "the live list is untouched while tracing"
+
+
+def test_an_original_item_that_is_tracked_is_viewed_as_its_ref() -> None:
+    inner: list[int] = []
+    outer = [inner]
+    se = SideEffects()
+    o = se.track_existing(outer, GlobalSource("outer"))
+    i = se.track_existing(inner, ItemSource(GlobalSource("outer"), 0))
+    assert se.list_items(o) == (i,)
+
+
+def test_pop_returns_the_symbolic_value() -> None:
+    se = SideEffects()
+    ref = se.track_existing([1, 2], GlobalSource("xs"))
+    assert se.list_pop(ref) == 2
+    assert se.list_pop(ref, 0) == 1
+    assert refusal(se.list_pop, ref) is SideEffectRefusal.WOULD_RAISE
+
+
+def test_dict_views_follow_setitem_pop_and_setdefault() -> None:
+    d = {"a": 1, "b": [2]}
+    se = SideEffects()
+    ref = se.track_existing(d, ArgSource(0))
+    se.dict_setitem(ref, "c", 3)
+    assert se.dict_pop(ref, "a") == 1
+    assert se.dict_pop(ref, "zz", None) is None
+    assert se.dict_setdefault(ref, "c", 9) == 3
+    assert se.dict_setdefault(ref, "d", 4) == 4
+    assert [k for k, _ in se.dict_items(ref)] == ["b", "c", "d"]
+    assert se.dict_lookup(ref, "a") is Missing.ABSENT
+    assert refusal(se.dict_delitem, ref, "a") is SideEffectRefusal.WOULD_RAISE
+
+
+def test_true_and_one_are_the_same_dict_key_as_in_cpython() -> None:
+    se = SideEffects()
+    ref = se.track_new(ObjKind.DICT)
+    se.dict_setitem(ref, 1, "int")
+    se.dict_setitem(ref, True, "bool")
+    real: dict[Any, str] = {}
+    real[1] = "int"
+    real[True] = "bool"
+    assert se.dict_items(ref) == tuple(real.items())
+
+
+def test_attribute_views_distinguish_unchanged_absent_and_stored() -> None:
+    obj = Plain()
+    se = SideEffects()
+    ref = se.track_existing(obj, ArgSource(0))
+    assert se.load_attr(ref, "a") is Missing.UNCHANGED
+    se.store_attr(ref, "b", 2)
+    se.del_attr(ref, "a")
+    assert se.load_attr(ref, "b") == 2
+    assert se.load_attr(ref, "a") is Missing.ABSENT
+    assert refusal(se.del_attr, ref, "a") is SideEffectRefusal.WOULD_RAISE
+    new = se.track_new(ObjKind.OBJECT, cls=Plain)
+    assert se.load_attr(new, "a") is Missing.ABSENT, "a new object has no attribute until stored"
+
+
+def test_globals_view_follows_stores_and_deletes() -> None:
+    se = SideEffects()
+    assert se.load_global("x") is Missing.UNCHANGED
+    se.store_global("x", 1)
+    assert se.load_global("x") == 1
+    se.del_global("x")
+    assert se.load_global("x") is Missing.ABSENT
+    assert refusal(se.del_global, "x") is SideEffectRefusal.WOULD_RAISE
+
+
+def test_mutating_an_object_without_a_source_is_refused() -> None:
+    se = SideEffects()
+    ref = se.track_existing([], None)
+    assert refusal(se.list_append, ref, 1) is SideEffectRefusal.NO_SOURCE
+    obj = se.track_existing(Plain(), None)
+    assert refusal(se.store_attr, obj, "a", 2) is SideEffectRefusal.NO_SOURCE
+
+
+def test_storing_a_sourceless_object_into_preexisting_state_is_refused_at_build() -> None:
+    se = SideEffects()
+    xs = se.track_existing([], GlobalSource("xs"))
+    se.list_append(xs, se.track_existing(Plain(), None))
+    assert refusal(se.build) is SideEffectRefusal.NO_SOURCE
+
+
+def test_unhashable_or_object_keys_are_refused() -> None:
+    se = SideEffects()
+    d = se.track_existing({}, GlobalSource("d"))
+    assert refusal(se.dict_setitem, d, Plain(), 1) is SideEffectRefusal.UNSUPPORTED_KEY
+    assert (
+        refusal(se.set_add, se.track_new(ObjKind.SET), (1, [2]))
+        is SideEffectRefusal.UNSUPPORTED_KEY
+    )
+    weird = se.track_existing({Plain(): 1}, GlobalSource("w"))
+    assert refusal(se.dict_items, weird) is SideEffectRefusal.UNSUPPORTED_KEY
+
+
+def test_untracked_values_are_refused() -> None:
+    se = SideEffects()
+    xs = se.track_existing([], GlobalSource("xs"))
+    assert refusal(se.list_append, xs, Plain()) is SideEffectRefusal.UNSUPPORTED_VALUE
+    assert refusal(se.list_append, xs, [1]) is SideEffectRefusal.UNSUPPORTED_VALUE
+
+
+def test_operations_on_the_wrong_kind_are_refused() -> None:
+    se = SideEffects()
+    d = se.track_existing({}, GlobalSource("d"))
+    assert refusal(se.list_append, d, 1) is SideEffectRefusal.WRONG_KIND
+    cell = se.track_existing(types.CellType(1), GlobalSource("c"))
+    assert refusal(se.store_attr, cell, "x", 1) is SideEffectRefusal.WRONG_KIND
+
+
+def test_stores_through_descriptors_or_without_instance_dict_are_refused() -> None:
+    se = SideEffects()
+    p = se.track_existing(WithProperty(), ArgSource(0))
+    assert refusal(se.store_attr, p, "p", 1) is SideEffectRefusal.DESCRIPTOR_ATTR
+    s = se.track_existing(Slotted(), ArgSource(1))
+    se.store_attr(s, "x", 1)
+    assert refusal(se.store_attr, s, "y", 1) is SideEffectRefusal.DESCRIPTOR_ATTR
+
+
+def test_new_objects_of_c_classes_are_refused() -> None:
+    class MyError(ValueError):
+        pass
+
+    se = SideEffects()
+    with pytest.raises(SideEffectRefused) as info:
+        se.track_new(ObjKind.OBJECT, cls=MyError)
+    assert info.value.reason.kind is SideEffectRefusal.UNMATERIALIZABLE
+    se.track_new(ObjKind.OBJECT, cls=Plain)
+
+
+def test_refs_of_another_builder_are_refused() -> None:
+    other = SideEffects()
+    other.track_existing([], GlobalSource("a"))
+    foreign = other.track_new(ObjKind.DICT)
+    se = SideEffects()
+    assert refusal(se.list_items, foreign) is SideEffectRefusal.FOREIGN_REF
+
+
+def test_refusals_carry_the_current_location() -> None:
+    se = SideEffects()
+    se.where = "hooks.py:12"
+    xs = se.track_existing([], None)
+    with pytest.raises(SideEffectRefused, match=r"^hooks.py:12: mutation of a pre-existing list"):
+        se.list_append(xs, 1)

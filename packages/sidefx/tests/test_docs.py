@@ -1,0 +1,16 @@
+"""The package's doc page lists every refusal kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loom_sidefx import SideEffectRefusal
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "sidefx.md"
+
+
+@pytest.mark.parametrize("kind", list(SideEffectRefusal), ids=lambda k: k.name)
+def test_every_refusal_kind_is_documented(kind: SideEffectRefusal) -> None:
+    assert f"`{kind.name}`" in DOC.read_text()

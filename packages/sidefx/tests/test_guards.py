@@ -1,0 +1,131 @@
+"""Guards compiled into one check function over a hook's roots."""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any
+
+import pytest
+
+from loom_sidefx import (
+    ArgSource,
+    AttrSource,
+    CellContentsSource,
+    ClosureSource,
+    FunctionClosureSource,
+    GlobalSource,
+    Guard,
+    GuardKind,
+    ItemSource,
+    Roots,
+    compile_guards,
+    constant_guard,
+)
+
+
+class Box:
+    def __init__(self) -> None:
+        self.items = [1, 2]
+
+
+def roots(**globals_: Any) -> Roots:
+    return Roots((Box(),), dict(globals_), (types.CellType(3),))
+
+
+def test_each_guard_kind_passes_on_matching_state_and_fails_otherwise() -> None:
+    sentinel = object()
+    guards = [
+        Guard(GuardKind.EQUALS, GlobalSource("n"), 2),
+        Guard(GuardKind.IDENTITY, GlobalSource("obj"), sentinel),
+        Guard(GuardKind.TYPE, ArgSource(0), Box),
+        Guard(GuardKind.LENGTH, AttrSource(ArgSource(0), "items"), 2),
+        Guard(GuardKind.EQUALS, CellContentsSource(ClosureSource(0, "k")), 3),
+    ]
+    check = compile_guards(guards)
+    assert check(roots(n=2, obj=sentinel))
+    assert not check(roots(n=3, obj=sentinel))
+    assert not check(roots(n=2, obj=object()))
+    assert not check(roots(n=2.0, obj=sentinel)), "2.0 == 2 but is another constant"
+    assert not check(roots(n=True, obj=sentinel))
+    r = roots(n=2, obj=sentinel)
+    r.args[0].items.append(3)
+    assert not check(r)
+
+
+def test_bool_and_int_constants_are_distinguished() -> None:
+    check = compile_guards([Guard(GuardKind.EQUALS, GlobalSource("flag"), 1)])
+    assert check(roots(flag=1))
+    assert not check(roots(flag=True))
+    check_true = compile_guards([Guard(GuardKind.EQUALS, GlobalSource("flag"), True)])
+    assert check_true(roots(flag=True)) and not check_true(roots(flag=1))
+
+
+def test_tuple_float_and_nan_constants() -> None:
+    check = compile_guards(
+        [
+            Guard(GuardKind.EQUALS, GlobalSource("t"), (1, "a", None)),
+            Guard(GuardKind.EQUALS, GlobalSource("x"), math.nan),
+        ]
+    )
+    assert check(roots(t=(1, "a", None), x=math.nan))
+    assert not check(roots(t=(1, "a", 0), x=math.nan))
+    assert not check(roots(t=(True, "a", None), x=math.nan))
+    assert not check(roots(t=(1, "a", None), x=0.0))
+
+
+def test_a_missing_global_or_empty_cell_fails_instead_of_raising() -> None:
+    check = compile_guards([Guard(GuardKind.EQUALS, GlobalSource("missing"), 1)])
+    assert not check(roots())
+    cell_check = compile_guards(
+        [Guard(GuardKind.EQUALS, CellContentsSource(ClosureSource(0, "k")), 3)]
+    )
+    assert not cell_check(Roots((), {}, (types.CellType(),)))
+
+
+def test_nested_sources_compile() -> None:
+    def helper() -> int:
+        return secret
+
+    secret = 41
+    g = {"helper": helper, "table": {"k": [10]}}
+    guards = [
+        Guard(
+            GuardKind.EQUALS,
+            CellContentsSource(FunctionClosureSource(GlobalSource("helper"), 0, "secret")),
+            41,
+        ),
+        Guard(GuardKind.EQUALS, ItemSource(ItemSource(GlobalSource("table"), "k"), 0), 10),
+    ]
+    assert compile_guards(guards)(Roots((), g))
+    secret = 42
+    assert not compile_guards(guards)(Roots((), g))
+
+
+def test_duplicate_guards_are_checked_once_and_text_is_deterministic() -> None:
+    a = constant_guard(GlobalSource("n"), 2)
+    b = constant_guard(GlobalSource("n"), 2)
+    assert a == b and hash(a) == hash(b)
+    check = compile_guards([a, b, constant_guard(GlobalSource("o"), Box())])
+    assert check.__doc__ is not None
+    assert check.__doc__.splitlines() == [
+        "G['n'] == 2",
+        "G['n'] == 2",
+        f"G['o'] is <{Box.__module__}.Box object>",
+    ]
+
+
+def test_constant_guard_picks_equality_for_constants_and_identity_otherwise() -> None:
+    assert constant_guard(GlobalSource("x"), 3).kind is GuardKind.EQUALS
+    assert constant_guard(GlobalSource("x"), [3]).kind is GuardKind.IDENTITY
+
+
+def test_malformed_guards_are_rejected_at_construction() -> None:
+    with pytest.raises(TypeError):
+        Guard(GuardKind.EQUALS, GlobalSource("x"), [1])
+    with pytest.raises(TypeError):
+        Guard(GuardKind.LENGTH, GlobalSource("x"), "3")
+
+
+def test_empty_guard_list_always_passes() -> None:
+    assert compile_guards([])(roots())
