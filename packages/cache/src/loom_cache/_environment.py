@@ -30,7 +30,7 @@ def versions_component() -> KeyComponent:
     return mapping_component(
         "versions",
         {
-            "torch": f"{torch.__version__}+{getattr(torch.version, 'git_version', '')}",
+            "torch": f"{torch.version.__version__}+{getattr(torch.version, 'git_version', '')}",
             "triton": _dist_version("triton"),
             "python": f"{platform.python_implementation()}-{platform.python_version()}",
             "bytecode": sys.implementation.cache_tag or "",
