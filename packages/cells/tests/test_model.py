@@ -149,3 +149,29 @@ def test_cell_source_is_the_closure_slot() -> None:
     cells = CellModel(SideEffects())
     (c,) = cells.hook_closure(hook)  # type: ignore[arg-type]
     assert cells.side_effects.source_of(c.ref) == ClosureSource(0, "count")
+
+
+def test_cells_of_a_sourceless_function_cannot_be_written_or_guarded() -> None:
+    hook = make_counter()
+    cells = CellModel(SideEffects())
+    (c,) = cells.closure_of(hook, None)  # type: ignore[arg-type]
+    with pytest.raises(CellRefused) as info:
+        cells.load(c)
+    assert info.value.reason.kind is CellRefusal.NO_SOURCE
+    with pytest.raises(CellRefused) as info:
+        cells.store(c, 1)
+    assert info.value.reason.kind is CellRefusal.NO_SOURCE
+    unguarded = CellModel(SideEffects(), guard_policy=lambda v: None)
+    (c2,) = unguarded.closure_of(hook, None)  # type: ignore[arg-type]
+    assert unguarded.load(c2) == 0, "a read the policy does not guard needs no source"
+
+
+def test_non_cells_and_wrong_closures_are_refused() -> None:
+    cells = CellModel(SideEffects())
+    with pytest.raises(CellRefused) as info:
+        cells.existing(42, ClosureSource(0, "x"))  # type: ignore[arg-type]
+    assert info.value.reason.kind is CellRefusal.NOT_A_CELL
+    hook = make_counter()
+    with pytest.raises(CellRefused) as info:
+        FrameCells(cells, hook.__code__, ())
+    assert info.value.reason.kind is CellRefusal.NOT_A_CELL

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from loom_sidefx import Missing, Ref, Value
 
 from ._model import Cell, CellModel
-from ._refusals import CellRefusal
+from ._refusals import CellRefusal, refuse
 
 __all__ = ["FrameCells"]
 
@@ -36,7 +36,8 @@ class FrameCells:
 
     def __init__(self, model: CellModel, code: types.CodeType, closure: Sequence[Cell]) -> None:
         if len(closure) != len(code.co_freevars):
-            model._refuse(
+            refuse(
+                model.side_effects.where,
                 CellRefusal.NOT_A_CELL,
                 f"{code.co_name} has free variables {code.co_freevars}, got {len(closure)} cells",
             )
@@ -59,7 +60,8 @@ class FrameCells:
         """The cell bound to ``name`` in this frame (``LOAD_CLOSURE``)."""
         cell = self._cells.get(name)
         if cell is None:
-            self.model._refuse(
+            refuse(
+                self.model.side_effects.where,
                 CellRefusal.UNKNOWN_NAME,
                 f"{self.code.co_name} has no cell or free variable {name!r} (yet)",
             )

@@ -33,7 +33,7 @@ from loom_sidefx import (
     is_constant,
 )
 
-from ._refusals import CellRefusal, CellRefused, Unsupported
+from ._refusals import CellRefusal, refuse
 
 __all__ = ["Cell", "CellModel", "GuardPolicy", "default_guard_policy"]
 
@@ -224,4 +224,4 @@ class CellModel:
             )
 
     def _refuse(self, kind: CellRefusal, explanation: str, hint: str = "") -> NoReturn:
-        raise CellRefused(Unsupported(kind, self.side_effects.where, explanation, hint))
+        refuse(self.side_effects.where, kind, explanation, hint)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import NoReturn
 
-__all__ = ["CellRefusal", "CellRefused", "Unsupported"]
+__all__ = ["CellRefusal", "CellRefused", "Unsupported", "refuse"]
 
 
 class CellRefusal(enum.Enum):
@@ -50,3 +51,8 @@ class CellRefused(Exception):
     def __init__(self, reason: Unsupported) -> None:
         super().__init__(str(reason))
         self.reason = reason
+
+
+def refuse(where: str, kind: CellRefusal, explanation: str, hint: str = "") -> NoReturn:
+    """Raise :class:`CellRefused` for ``kind``."""
+    raise CellRefused(Unsupported(kind, where, explanation, hint))

@@ -1,0 +1,16 @@
+"""The package's doc page lists every refusal kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loom_cells import CellRefusal
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "cells.md"
+
+
+@pytest.mark.parametrize("kind", list(CellRefusal), ids=lambda k: k.name)
+def test_every_refusal_kind_is_documented(kind: CellRefusal) -> None:
+    assert f"`{kind.name}`" in DOC.read_text()
