@@ -1,5 +1,69 @@
-"""The CUDA-graph partition plan (which nodes can be captured, and typed reasons for those that cannot), the capture/replay runtime (static inputs, re-recording budget, input mutation, output lifetime, memory pool, dynamic shapes) and `or_error` mode."""
+"""The CUDA-graph partition plan (which nodes can be captured, and typed reasons for those that cannot), the capture/replay runtime (static inputs, re-recording budget, input mutation, output lifetime, memory pool, dynamic shapes) and `or_error` mode.
+
+Two calls cover the pipeline::
+
+    plan = plan_graph(gm, example_inputs, static_input_indices, CudagraphOptions())
+    run = build_runtime(plan, gm, compile_segment, example_inputs, pool=new_pool())
+    outputs = run(list(inputs))   # boxed: the list is cleared
+"""
+
+from loom_cudagraph._capture import Capturer, CudaCapturer, HostCapturer
+from loom_cudagraph._classify import classify_node, source_location
+from loom_cudagraph._options import OR_ERROR_ENV, CudagraphOptions
+from loom_cudagraph._plan import PartitionPlan, PlanError, SegmentPlan, plan_graph
+from loom_cudagraph._pool import MemoryPool
+from loom_cudagraph._reasons import CudagraphError, SkipReason, Unsupported
+from loom_cudagraph._registry import (
+    OpRule,
+    mark_non_capturable,
+    registered_rules,
+    unmark_non_capturable,
+)
+from loom_cudagraph._runtime import (
+    CompileSegment,
+    CudagraphRuntime,
+    RuntimeStats,
+    build_runtime,
+    eager_segment_compiler,
+    new_pool,
+)
+from loom_cudagraph._segment import SegmentStats, is_managed
+from loom_cudagraph._skiplog import reset_skip_counts, skip_counts
+from loom_cudagraph._split import SegmentModule, split_by_plan
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "OR_ERROR_ENV",
+    "Capturer",
+    "CompileSegment",
+    "CudaCapturer",
+    "CudagraphError",
+    "CudagraphOptions",
+    "CudagraphRuntime",
+    "HostCapturer",
+    "MemoryPool",
+    "OpRule",
+    "PartitionPlan",
+    "PlanError",
+    "RuntimeStats",
+    "SegmentModule",
+    "SegmentPlan",
+    "SegmentStats",
+    "SkipReason",
+    "Unsupported",
+    "__version__",
+    "build_runtime",
+    "classify_node",
+    "eager_segment_compiler",
+    "is_managed",
+    "mark_non_capturable",
+    "new_pool",
+    "plan_graph",
+    "registered_rules",
+    "reset_skip_counts",
+    "skip_counts",
+    "source_location",
+    "split_by_plan",
+    "unmark_non_capturable",
+]

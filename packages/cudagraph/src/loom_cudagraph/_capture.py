@@ -1,0 +1,122 @@
+"""How a segment is captured and replayed: on a CUDA device, or simulated on the host.
+
+A :class:`Capturer` turns ``fn(static_inputs)`` into a graph handle and its
+static outputs, replays the handle, and makes memory pools.
+:class:`CudaCapturer` uses ``torch.cuda.CUDAGraph`` with private pools and a
+side stream; the default CUDA generator is registered by the graph itself, so
+each replay advances the Philox offset and draws fresh random numbers.
+:class:`HostCapturer` runs ``fn`` again on every replay and writes the results
+into the same output tensors, which reproduces a replay's aliasing on CPU so
+the runtime's bookkeeping is testable without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Capturer", "CudaCapturer", "HostCapturer"]
+
+SegmentFn = Callable[[list[Any]], Sequence[Any]]
+
+
+class Capturer(Protocol):
+    """What the runtime needs from a capture backend."""
+
+    def new_pool_handle(self) -> Any: ...
+
+    def capture(self, fn: SegmentFn, inputs: list[Any], pool: Any) -> tuple[Any, list[Any]]:
+        """Record ``fn(inputs)``; return the graph handle and its static outputs."""
+        ...
+
+    def replay(self, graph: Any) -> None: ...
+
+    def pool_bytes(self, before: int) -> int:
+        """Bytes the allocator reserved since ``before`` (a :meth:`reserved` reading)."""
+        ...
+
+    def reserved(self) -> int: ...
+
+
+class CudaCapturer:
+    """Capture with ``torch.cuda.graph`` on one device, on a side stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream: torch.cuda.Stream | None = None
+
+    def new_pool_handle(self) -> Any:
+        with torch.cuda.device(self.device):
+            return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: SegmentFn, inputs: list[Any], pool: Any) -> tuple[Any, list[Any]]:
+        with torch.cuda.device(self.device):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(
+                graph, pool=pool, stream=self._stream, capture_error_mode="thread_local"
+            ):
+                outputs = list(fn(list(inputs)))
+        return graph, outputs
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+    def reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def pool_bytes(self, before: int) -> int:
+        return max(0, self.reserved() - before)
+
+
+class _HostGraph:
+    def __init__(self, fn: SegmentFn, inputs: list[Any], outputs: list[Any]) -> None:
+        self.fn = fn
+        self.inputs = inputs
+        self.outputs = outputs
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        fresh = self.fn(list(self.inputs))
+        for static, new in zip(self.outputs, fresh, strict=True):
+            if isinstance(static, torch.Tensor) and static is not new:
+                with torch.no_grad():
+                    static.copy_(new)
+
+
+class HostCapturer:
+    """A stand-in for CUDA graphs on the host: replay re-runs the function and
+    overwrites the recorded output tensors in place, as a real replay would."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.replays = 0
+
+    def new_pool_handle(self) -> Any:
+        return object()
+
+    def capture(self, fn: SegmentFn, inputs: list[Any], pool: Any) -> tuple[Any, list[Any]]:
+        # NOTE: a CUDA capture executes nothing; undo the run's input mutations
+        # so that only replays change state, as on the device.
+        self.captures += 1
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        saved = [t.clone() for t in tensors]
+        outputs = list(fn(list(inputs)))
+        with torch.no_grad():
+            for t, s in zip(tensors, saved, strict=True):
+                t.copy_(s)
+        return _HostGraph(fn, list(inputs), outputs), outputs
+
+    def replay(self, graph: Any) -> None:
+        self.replays += 1
+        graph.replay()
+
+    def reserved(self) -> int:
+        return 0
+
+    def pool_bytes(self, before: int) -> int:
+        return 0

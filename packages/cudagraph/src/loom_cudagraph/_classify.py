@@ -1,0 +1,177 @@
+"""Whether one node of a post-AOT aten graph can run inside a CUDA graph.
+
+:func:`classify_node` returns ``None`` for a capturable node or an
+:class:`Unsupported` naming the reason. It reads only ``node.meta["val"]``
+(fake tensors) and the call target, so it runs on CPU without a device.
+Tensors on the ``meta`` device do no work and never block capture.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx
+
+from loom_cudagraph._reasons import SkipReason, Unsupported
+from loom_cudagraph._registry import lookup_rule, op_name
+from loom_cudagraph._torch_compat import OpOverload, free_unbacked_symbols
+
+__all__ = ["classify_node", "node_devices", "source_location", "touches_device"]
+
+_COPY_OPS = frozenset(
+    {
+        "aten._to_copy.default",
+        "aten.copy_.default",
+        "aten.copy.default",
+        "aten.to.device",
+        "aten.to.dtype_layout",
+        "prims.device_put.default",
+        "aten._foreach_copy_.default",
+    }
+)
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
+
+
+def source_location(node: torch.fx.Node) -> str:
+    """The user's source line a node came from, ``file:line in fn: code``, else ``node <name>``."""
+    trace = node.meta.get("stack_trace")
+    if isinstance(trace, str) and trace:
+        frames = list(_FRAME.finditer(trace))
+        if frames:
+            last = frames[-1]
+            code = trace[last.end() :].strip().splitlines()
+            text = f"{last['file']}:{last['line']} in {last['fn']}"
+            return f"{text}: {code[0].strip()}" if code else text
+    return f"node {node.name}"
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _vals(node: torch.fx.Node) -> Iterator[Any]:
+    yield node.meta.get("val")
+    for arg in node.all_input_nodes:
+        yield arg.meta.get("val")
+
+
+def node_devices(node: torch.fx.Node) -> set[torch.device]:
+    """Devices of the tensors a node reads and writes, ``meta`` excluded."""
+    return {t.device for v in _vals(node) for t in _tensors(v) if t.device.type != "meta"}
+
+
+def touches_device(node: torch.fx.Node, device: torch.device | None) -> bool:
+    """Whether the node reads or writes a tensor on ``device`` (any CUDA device if ``None``)."""
+    if device is None:
+        return any(d.type == "cuda" for d in node_devices(node))
+    return any(d == device or d.type == "cuda" for d in node_devices(node))
+
+
+def _bool_index(node: torch.fx.Node) -> bool:
+    name = op_name(node.target)
+    if not name.startswith(("aten.index.", "aten.index_put", "aten._unsafe_index_put")):
+        return False
+    indices = node.args[1] if len(node.args) > 1 else ()
+    for idx in indices if isinstance(indices, list | tuple) else ():
+        if isinstance(idx, torch.fx.Node):
+            for t in _tensors(idx.meta.get("val")):
+                if t.dtype in (torch.bool, torch.uint8):
+                    return True
+    return False
+
+
+def _mutates_placeholder_storage(node: torch.fx.Node) -> bool:
+    if op_name(node.target) not in (
+        "aten.set_.source_Storage",
+        "aten.set_.source_Tensor",
+        "aten.set_.source_Storage_storage_offset",
+        "aten.set_.default",
+    ):
+        return False
+    first = node.args[0] if node.args else None
+    return isinstance(first, torch.fx.Node) and first.op == "placeholder"
+
+
+def classify_node(node: torch.fx.Node, device: torch.device | None) -> Unsupported | None:
+    """``None`` when ``node`` can be captured on ``device``, else why not.
+
+    ``device`` is the device whose work is captured (the graph's CUDA device;
+    tests pass ``cpu`` to plan a host graph for :class:`HostCapturer`).
+
+    >>> classify_node(nonzero_node, torch.device("cuda", 0)).kind  # doctest: +SKIP
+    <SkipReason.DATA_DEPENDENT_SHAPE: 'data_dependent_shape'>
+    """
+    if node.op != "call_function" or node.target is operator.getitem:
+        return None
+    name = op_name(node.target)
+    where = source_location(node)
+
+    def refuse(
+        kind: SkipReason, explanation: str, hint: str = "", cuda_work: bool | None = None
+    ) -> Unsupported:
+        work = touches_device(node, device) if cuda_work is None else cuda_work
+        return Unsupported(kind, where, explanation, hint, name, work)
+
+    rule = lookup_rule(node.target)
+    if rule is not None:
+        return refuse(rule.kind, rule.explanation, rule.hint)
+    if isinstance(node.target, OpOverload):
+        tags = node.target.tags
+        if torch.Tag.dynamic_output_shape in tags:
+            return refuse(
+                SkipReason.DATA_DEPENDENT_SHAPE,
+                "its output shape depends on tensor data",
+                "use a fixed-size variant (nonzero_static, masked_fill) where one exists",
+            )
+        if torch.Tag.data_dependent_output in tags:
+            return refuse(SkipReason.SYNC_OP, "its host output depends on device data")
+    unbacked = set().union(*(free_unbacked_symbols(v) for v in _vals(node) if v is not None))
+    if unbacked:
+        symbols = ", ".join(sorted(str(s) for s in unbacked))
+        return refuse(
+            SkipReason.DATA_DEPENDENT_SHAPE,
+            f"it uses data-dependent sizes ({symbols})",
+            "a replay would reuse the sizes seen at capture",
+        )
+    if _bool_index(node):
+        return refuse(
+            SkipReason.DATA_DEPENDENT_SHAPE,
+            "boolean-mask indexing computes its size from the mask",
+            "use torch.where or masked_fill",
+        )
+    if _mutates_placeholder_storage(node):
+        return refuse(SkipReason.INPUT_STORAGE_MUTATION, "set_ swaps a graph input's storage")
+    devices = node_devices(node)
+    target_type = device.type if device is not None else "cuda"
+    if devices and all(d.type == "cpu" for d in devices) and target_type != "cpu":
+        return refuse(SkipReason.CPU_TENSOR, "runs on the CPU", cuda_work=False)
+    if any(d.type == "cpu" for d in devices) and target_type != "cpu":
+        if name in _COPY_OPS:
+            return refuse(
+                SkipReason.DEVICE_COPY,
+                "copies between host and device",
+                "move the copy out of the compiled region or keep the data on the device",
+            )
+        return refuse(
+            SkipReason.CPU_TENSOR,
+            "mixes CPU and device tensors (a CPU scalar would be frozen into the graph)",
+            "create the tensor on the device",
+        )
+    if device is not None and any(d != device for d in devices):
+        return refuse(
+            SkipReason.OTHER_DEVICE,
+            f"uses {', '.join(sorted(str(d) for d in devices))} in a graph on {device}",
+            "compile one function per device",
+        )
+    for t in _tensors(node.meta.get("val")):
+        if t.is_sparse:
+            return refuse(SkipReason.SPARSE_TENSOR, "produces a sparse tensor")
+    return None

@@ -1,0 +1,111 @@
+"""Memory pools and the output-liveness rule that keeps held outputs intact.
+
+A replay writes its outputs and intermediates into memory its pool handed out
+at capture. Recordings that share a pool are replayed in the order they were
+captured; a recording captured *later* may have been given memory that an
+earlier one uses for intermediates. So before a recording replays, every
+output handed out by it or by a later recording of the same pool must be dead.
+
+Liveness is read from the storage's use count: our own references form a
+baseline measured right after capture; anything above it is a user (or an
+autograd saved tensor) still holding the output. A held output's recording is
+*retired*: its held storages stay alive as orphans (replays that could
+overwrite them are refused until they die) and the next recording of that
+segment copies those outputs out instead of handing out its static memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from loom_cudagraph._torch_compat import storage_use_count
+
+__all__ = ["MemoryPool", "Watch"]
+
+UseCount = Callable[[int], int]
+
+
+class PooledRecording(Protocol):
+    order: int
+    watch: list[Watch]
+
+    def retire(self, held: list[Watch]) -> None: ...
+
+
+@dataclasses.dataclass(slots=True)
+class Watch:
+    """One storage a recording hands out: its address, our reference count, the
+    output positions that alias it, and the tensors that keep it alive."""
+
+    cdata: int
+    baseline: int
+    positions: tuple[int, ...]
+    keep: tuple[Any, ...]
+
+
+@dataclasses.dataclass(slots=True)
+class _Orphan:
+    watch: Watch
+    order: int
+
+
+class MemoryPool:
+    """A CUDA memory pool plus the recordings captured into it, in capture order.
+
+    ``handle`` is the pool token passed to ``torch.cuda.graph(pool=...)``;
+    ``use_count`` reads a storage's use count (injectable for tests).
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, handle: Any = None, use_count: UseCount = storage_use_count) -> None:
+        self.handle = handle
+        self.id = next(self._ids)
+        self.recordings: list[PooledRecording] = []
+        self.orphans: list[_Orphan] = []
+        self.retired = 0
+        self._order = itertools.count()
+        self._use_count = use_count
+
+    def add(self, rec: PooledRecording) -> None:
+        rec.order = next(self._order)
+        self.recordings.append(rec)
+
+    def held(self, rec: PooledRecording) -> list[Watch]:
+        return [w for w in rec.watch if self._use_count(w.cdata) != w.baseline]
+
+    def safe_to_replay(self, rec: PooledRecording) -> bool:
+        """Whether ``rec`` can replay without overwriting an output someone holds.
+
+        Retires every recording at or after ``rec`` whose outputs are held
+        (``rec`` included); returns ``False`` when ``rec`` itself was retired or
+        an orphan it could overwrite is still alive.
+        """
+        if self.orphans:
+            self.orphans = [
+                o for o in self.orphans if self._use_count(o.watch.cdata) != o.watch.baseline
+            ]
+        unsafe = any(o.order >= rec.order for o in self.orphans)
+        recs = self.recordings
+        start = recs.index(rec)
+        for q in recs[start:]:
+            if not q.watch:
+                continue
+            held = self.held(q)
+            if held:
+                self.retire(q, held)
+                unsafe = True
+        if unsafe and rec in self.recordings:
+            self.retire(rec, self.held(rec))
+        return not unsafe
+
+    def retire(self, rec: PooledRecording, held: list[Watch]) -> None:
+        """Drop ``rec`` from the pool; its ``held`` storages become orphans."""
+        if rec in self.recordings:
+            self.recordings.remove(rec)
+        self.orphans.extend(_Orphan(w, rec.order) for w in held)
+        self.retired += 1
+        rec.retire(held)

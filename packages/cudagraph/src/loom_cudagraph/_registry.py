@@ -1,0 +1,173 @@
+"""The registry of operators that must run outside a CUDA graph.
+
+Built-in rules (sync ops, data-dependent shapes, collectives, RNG-state
+wrappers) sit beside user rules added with :func:`mark_non_capturable`. An
+operator is named by its qualified overload name (``"aten.nonzero.default"``)
+or its packet name (``"mylib.my_op"``, matching every overload). Ops that
+carry ``torch.Tag.cudagraph_unsafe`` (for example through
+``torch.library.custom_op(..., tags=(torch.Tag.cudagraph_unsafe,))``) are
+non-capturable without registration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from loom_cudagraph._reasons import SkipReason
+from loom_cudagraph._torch_compat import HigherOrderOperator, OpOverload, OpOverloadPacket
+
+__all__ = [
+    "OpRule",
+    "lookup_rule",
+    "mark_non_capturable",
+    "op_name",
+    "registered_rules",
+    "unmark_non_capturable",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpRule:
+    """Why one operator (or every overload of a packet) runs uncaptured."""
+
+    name: str
+    kind: SkipReason
+    explanation: str
+    hint: str = ""
+
+
+#: Namespaces whose every op is a collective.
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
+
+_BUILTIN: tuple[OpRule, ...] = (
+    OpRule(
+        "aten._local_scalar_dense",
+        SkipReason.SYNC_OP,
+        "reads a device value on the host (.item()), which synchronizes",
+        "keep the value on the device (torch.where instead of an if on .item())",
+    ),
+    OpRule("aten.item", SkipReason.SYNC_OP, "reads a device value on the host, which synchronizes"),
+    OpRule("aten.equal", SkipReason.SYNC_OP, "returns a host bool computed from device data"),
+    OpRule("aten.is_nonzero", SkipReason.SYNC_OP, "returns a host bool computed from device data"),
+    OpRule(
+        "aten._assert_scalar",
+        SkipReason.SYNC_OP,
+        "asserts on a host value read from the device",
+    ),
+    OpRule(
+        "aten._fused_moving_avg_obs_fq_helper",
+        SkipReason.USER_MARKED,
+        "branches on device state on the host (quantization observer)",
+    ),
+    OpRule(
+        "aten._fused_moving_avg_obs_fq_helper_functional",
+        SkipReason.USER_MARKED,
+        "branches on device state on the host (quantization observer)",
+    ),
+    OpRule(
+        "run_and_save_rng_state",
+        SkipReason.RNG_STATE,
+        "saves the RNG state on the host, which a replay would not redo",
+        "leave functionalize_rng_ops off (the default)",
+    ),
+    OpRule(
+        "run_with_rng_state",
+        SkipReason.RNG_STATE,
+        "restores an RNG state on the host, which a replay would not redo",
+        "leave functionalize_rng_ops off (the default)",
+    ),
+    OpRule("cond", SkipReason.CONTROL_FLOW, "torch.cond picks a branch on the host"),
+    OpRule(
+        "while_loop", SkipReason.CONTROL_FLOW, "torch.while_loop tests its condition on the host"
+    ),
+)
+
+_lock = threading.Lock()
+_user_rules: dict[str, OpRule] = {}
+_builtin_rules: dict[str, OpRule] = {r.name: r for r in _BUILTIN}
+
+
+def op_name(target: Any) -> str:
+    """The qualified name of an FX call target: ``aten.add.Tensor``, ``cond``, ``operator.getitem``."""
+    if isinstance(target, OpOverload | OpOverloadPacket | HigherOrderOperator):
+        return str(target)
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    qual = (
+        getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    )
+    return f"{module.removeprefix('_')}.{qual}" if module else str(qual)
+
+
+def _packet_name(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) >= 3 else name
+
+
+def _normalize(op: Any) -> str:
+    name = op_name(op) if not isinstance(op, str) else op
+    return name.replace("::", ".")
+
+
+def mark_non_capturable(
+    op: Any,
+    explanation: str = "marked non-capturable by the user",
+    hint: str = "",
+    kind: SkipReason = SkipReason.USER_MARKED,
+) -> OpRule:
+    """Make every call of ``op`` run outside CUDA graphs, with this reason.
+
+    ``op`` is an ``OpOverload``, an ``OpOverloadPacket`` (all overloads) or a
+    name such as ``"mylib::my_op"`` / ``"mylib.my_op.default"``.
+
+    >>> mark_non_capturable(torch.ops.aten.nonzero, "my reason")  # doctest: +SKIP
+    """
+    rule = OpRule(_normalize(op), kind, explanation, hint)
+    with _lock:
+        _user_rules[rule.name] = rule
+    return rule
+
+
+def unmark_non_capturable(op: Any) -> None:
+    """Remove a rule added with :func:`mark_non_capturable` (no error if absent)."""
+    with _lock:
+        _user_rules.pop(_normalize(op), None)
+
+
+def registered_rules() -> Iterator[OpRule]:
+    """Built-in rules, then user rules (a user rule for the same name wins)."""
+    with _lock:
+        merged = {**_builtin_rules, **_user_rules}
+    yield from merged.values()
+
+
+def lookup_rule(target: Any) -> OpRule | None:
+    """The rule that makes ``target`` non-capturable, or ``None``.
+
+    Order: user registry, built-in table, ``torch.Tag.cudagraph_unsafe``,
+    collective namespaces.
+    """
+    name = op_name(target)
+    packet = _packet_name(name)
+    with _lock:
+        for table in (_user_rules, _builtin_rules):
+            rule = table.get(name) or table.get(packet)
+            if rule is not None:
+                return rule
+    if isinstance(target, OpOverload):
+        if torch.Tag.cudagraph_unsafe in target.tags:
+            return OpRule(name, SkipReason.USER_MARKED, "the op carries torch.Tag.cudagraph_unsafe")
+        if target.namespace in COLLECTIVE_NAMESPACES:
+            return OpRule(
+                name,
+                SkipReason.COLLECTIVE,
+                "collectives run outside CUDA graphs in loom",
+                "keep collectives at segment boundaries; the compute around them is captured",
+            )
+    return None

@@ -1,0 +1,245 @@
+"""The boxed callable that runs a planned graph: captured segments as CUDA
+graphs, the rest through their compiled code, values passed in a flat list.
+
+:func:`build_runtime` splits the graph by the plan, hands each segment to the
+caller's code generator, wraps capturable ones in :class:`CapturedSegment` and
+precomputes every index the per-call loop needs: which slots a segment reads,
+where its outputs go, and which slots die after it (inputs are freed as early
+as eager frees them). A graph with nothing to capture is compiled whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from loom_cudagraph._capture import Capturer, CudaCapturer
+from loom_cudagraph._plan import PartitionPlan
+from loom_cudagraph._pool import MemoryPool
+from loom_cudagraph._segment import CapturedSegment, SegmentSpec, SegmentStats
+from loom_cudagraph._skiplog import report_plan_skips
+from loom_cudagraph._split import split_by_plan
+
+__all__ = [
+    "CompileSegment",
+    "CudagraphRuntime",
+    "RuntimeStats",
+    "build_runtime",
+    "eager_segment_compiler",
+    "new_pool",
+]
+
+BoxedFn = Callable[[list[Any]], Sequence[Any]]
+Step = tuple[BoxedFn, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+#: ``compile_segment(gm, example_inputs, static_input_indices) -> boxed callable``.
+CompileSegment = Callable[[torch.fx.GraphModule, list[Any], tuple[int, ...]], BoxedFn]
+
+
+def eager_segment_compiler(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], static_input_indices: tuple[int, ...]
+) -> BoxedFn:
+    """Run the segment's FX code as is (boxed: the argument list is cleared)."""
+
+    def run(args: list[Any]) -> Sequence[Any]:
+        values = list(args)
+        args.clear()
+        result = gm(*values)
+        return result if isinstance(result, list | tuple) else (result,)
+
+    return run
+
+
+def new_pool(
+    device: torch.device | str | None = None, capturer: Capturer | None = None
+) -> MemoryPool:
+    """A memory pool that the graphs of one compiled function share (forward and backward)."""
+    if capturer is None:
+        capturer = CudaCapturer(torch.device(device or "cuda"))
+    return MemoryPool(capturer.new_pool_handle())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RuntimeStats:
+    """Each segment of one graph as it ran so far."""
+
+    graph: str
+    segments: tuple[SegmentStats, ...]
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(s.pool_bytes for s in self.segments)
+
+    def format(self) -> str:
+        lines = [f"{self.graph}: {len(self.segments)} segments, {self.pool_bytes} pool bytes"]
+        for s in self.segments:
+            state = "captured" if s.captured else "uncaptured"
+            lines.append(
+                f"  {s.name}: {state}, {s.nodes} nodes, {s.recordings} recordings, "
+                f"{s.replays} replays, {s.uncaptured_calls} uncaptured calls"
+            )
+            lines.extend(f"    {r}" for r in s.reasons)
+        return "\n".join(lines)
+
+
+class CudagraphRuntime:
+    """A boxed callable running one planned graph; see :func:`build_runtime`."""
+
+    _boxed_call = True
+
+    def __init__(
+        self,
+        plan: PartitionPlan,
+        steps: list[Step],
+        outputs: list[tuple[int, Any]],
+        n_slots: int,
+        static_stats: list[SegmentStats | CapturedSegment],
+    ) -> None:
+        self.plan = plan
+        self._steps = steps
+        self._outputs = outputs
+        self._pad = [None] * (n_slots - len(plan.placeholders))
+        self._stats = static_stats
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        env = list(args)
+        args.clear()
+        env.extend(self._pad)
+        for run, reads, writes, frees in self._steps:
+            results = run([env[i] for i in reads])
+            for slot, value in zip(writes, results, strict=True):
+                env[slot] = value
+            for slot in frees:
+                env[slot] = None
+        return [env[s] if s >= 0 else const for s, const in self._outputs]
+
+    def stats(self) -> RuntimeStats:
+        segs = tuple(s.stats() if isinstance(s, CapturedSegment) else s for s in self._stats)
+        return RuntimeStats(self.plan.graph, segs)
+
+
+def _uncaptured_stats(plan: PartitionPlan, index: int, name: str) -> SegmentStats:
+    seg = plan.segments[index]
+    return SegmentStats(name, False, seg.reasons, len(seg.nodes), 0, 0, 0, 0, 0)
+
+
+def _whole_graph_runtime(
+    plan: PartitionPlan,
+    gm: torch.fx.GraphModule,
+    compile_segment: CompileSegment,
+    example_inputs: Sequence[Any],
+    n_outputs: int,
+) -> CudagraphRuntime:
+    n_inputs = len(plan.placeholders)
+    fn = compile_segment(gm, list(example_inputs), plan.static_inputs)
+    writes = tuple(range(n_inputs, n_inputs + n_outputs))
+    steps: list[Step] = [(fn, tuple(range(n_inputs)), writes, ())]
+    stats: list[SegmentStats | CapturedSegment] = [
+        _uncaptured_stats(plan, i, f"{plan.graph}/{s.name}") for i, s in enumerate(plan.segments)
+    ]
+    outputs: list[tuple[int, Any]] = [(slot, None) for slot in writes]
+    return CudagraphRuntime(plan, steps, outputs, n_inputs + n_outputs, stats)
+
+
+def build_runtime(
+    plan: PartitionPlan,
+    gm: torch.fx.GraphModule,
+    compile_segment: CompileSegment = eager_segment_compiler,
+    example_inputs: Sequence[Any] = (),
+    *,
+    pool: MemoryPool | None = None,
+    capturer: Capturer | None = None,
+) -> CudagraphRuntime:
+    """A boxed callable that runs ``gm`` by ``plan``, capturing what the plan allows.
+
+    Skips in the plan are logged and counted here (and raise under
+    ``or_error``), so a compile that succeeds has no silent skip.
+
+    >>> plan = plan_graph(gm, example_inputs, static_input_indices=(0,))   # doctest: +SKIP
+    >>> run = build_runtime(plan, gm, compile_segment, example_inputs, pool=new_pool())
+    >>> outs = run(list(real_inputs))                                      # doctest: +SKIP
+    """
+    report_plan_skips(plan)
+    n_inputs = len(plan.placeholders)
+    node_outputs = gm.graph.output_node().args[0]
+    flat_outputs = list(node_outputs) if isinstance(node_outputs, list | tuple) else [node_outputs]
+    placeholder_slot = {name: i for i, name in enumerate(plan.placeholders)}
+
+    if not plan.captured_segments:
+        return _whole_graph_runtime(plan, gm, compile_segment, example_inputs, len(flat_outputs))
+
+    device = torch.device(plan.device) if plan.device else None
+    if capturer is None:
+        capturer = CudaCapturer(device or torch.device("cuda"))
+    modules = split_by_plan(gm, plan, example_inputs)
+    graph_outputs = {o for o in plan.graph_outputs if o is not None}
+
+    # Slot bookkeeping: ``read`` maps a value name to the slot later segments read it from.
+    read = dict(placeholder_slot)
+    final: dict[str, int] = dict(placeholder_slot)
+    n_slots = n_inputs
+    seg_reads: list[tuple[int, ...]] = []
+    seg_writes: list[tuple[int, ...]] = []
+    for seg in plan.segments:
+        seg_reads.append(tuple(read[name] for name in seg.inputs))
+        writes = []
+        for name in seg.outputs:
+            writes.append(n_slots)
+            read[name] = n_slots
+            if name not in seg.passthrough:
+                final[name] = n_slots
+            n_slots += 1
+        seg_writes.append(tuple(writes))
+    last_read: dict[int, int] = {}
+    for k, reads in enumerate(seg_reads):
+        for slot in reads:
+            last_read[slot] = k
+    keep = {final[o] for o in graph_outputs}
+    frees: list[list[int]] = [[] for _ in plan.segments]
+    for slot, k in last_read.items():
+        if slot not in keep:
+            frees[k].append(slot)
+
+    steps: list[Step] = []
+    stats: list[SegmentStats | CapturedSegment] = []
+    for k, (seg, module) in enumerate(zip(plan.segments, modules, strict=True)):
+        static_positions = tuple(
+            i
+            for i, name in enumerate(seg.inputs)
+            if name in placeholder_slot and placeholder_slot[name] in plan.static_inputs
+        )
+        fn = compile_segment(module.gm, module.example_inputs, static_positions)
+        name = f"{plan.graph}/{seg.name}"
+        run: BoxedFn
+        if seg.captured:
+            spec = SegmentSpec(
+                name=name,
+                input_names=seg.inputs,
+                input_sources=module.input_sources,
+                static_positions=frozenset(static_positions),
+                mutated_positions=frozenset(
+                    i for i, n in enumerate(seg.inputs) if n in seg.mutated_inputs
+                ),
+                escaping_outputs=frozenset(
+                    i
+                    for i, n in enumerate(seg.outputs)
+                    if n in graph_outputs and n not in seg.passthrough
+                ),
+                dynamic=plan.dynamic,
+                options=plan.options,
+                nodes=len(seg.nodes),
+            )
+            captured = CapturedSegment(fn, spec, capturer, device, pool)
+            run = captured
+            stats.append(captured)
+        else:
+            run = fn
+            stats.append(_uncaptured_stats(plan, k, name))
+        steps.append((run, seg_reads[k], seg_writes[k], tuple(sorted(frees[k]))))
+    outputs: list[tuple[int, Any]] = [
+        (final[o.name], None) if isinstance(o, torch.fx.Node) else (-1, o) for o in flat_outputs
+    ]
+    return CudagraphRuntime(plan, steps, outputs, n_slots, stats)

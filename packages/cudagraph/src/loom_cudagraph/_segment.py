@@ -1,0 +1,409 @@
+"""One captured segment at run time: warm-up, recordings, dispatch and replay.
+
+Per distinct input shape (one key for static graphs) a segment keeps up to
+``max_recording`` recordings, dispatched by the addresses of the inputs used
+in place (parameters, buffers, outputs of other loom CUDA graphs). Other
+tensor inputs are copied into static buffers. Which inputs are used in place,
+copied, or copied back after a mutation is decided once, when a recording is
+made; the per-call path is one pointer check in C++, one fused copy, the
+replay and one alias per escaping output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from loom_cudagraph._capture import Capturer
+from loom_cudagraph._options import CudagraphOptions
+from loom_cudagraph._pool import MemoryPool, Watch
+from loom_cudagraph._reasons import SkipReason, Unsupported
+from loom_cudagraph._skiplog import report_skip
+from loom_cudagraph._torch_compat import (
+    foreach_copy,
+    non_overlapping_and_dense,
+    storage_id,
+    storage_use_count,
+    tensors_data_ptrs_equal,
+)
+
+__all__ = ["CapturedSegment", "SegmentSpec", "SegmentStats", "is_managed"]
+
+log = logging.getLogger("torchloom.cudagraph")
+
+SegmentFn = Callable[[list[Any]], Sequence[Any]]
+
+# Storages of static outputs of live recordings: an input found here is used in place.
+_managed: dict[int, int] = {}
+
+
+def is_managed(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in memory a loom CUDA graph writes (an output of a recording)."""
+    return storage_id(t) in _managed
+
+
+def _manage(cdatas: Sequence[int], delta: int) -> None:
+    for c in cdatas:
+        n = _managed.get(c, 0) + delta
+        if n > 0:
+            _managed[c] = n
+        else:
+            _managed.pop(c, None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SegmentSpec:
+    """What the runtime knows about a segment before any call (from the plan)."""
+
+    name: str
+    input_names: tuple[str, ...]
+    input_sources: tuple[str, ...]
+    static_positions: frozenset[int]
+    mutated_positions: frozenset[int]
+    escaping_outputs: frozenset[int]
+    dynamic: bool
+    options: CudagraphOptions
+    nodes: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SegmentStats:
+    """A snapshot of one segment for ``torchloom.report()``."""
+
+    name: str
+    captured: bool
+    reasons: tuple[Unsupported, ...]
+    nodes: int
+    recordings: int
+    shapes: int
+    replays: int
+    uncaptured_calls: int
+    pool_bytes: int
+    copied_out: tuple[int, ...] = ()
+
+
+class _Recording:
+    __slots__ = (
+        "alias_idx",
+        "bufs",
+        "clone_idx",
+        "copy_idx",
+        "copyback_bufs",
+        "copyback_idx",
+        "graph",
+        "inplace_idx",
+        "managed",
+        "order",
+        "outputs",
+        "pool",
+        "ptrs",
+        "retired",
+        "table",
+        "watch",
+    )
+
+    def __init__(self, table: _Table, pool: MemoryPool) -> None:
+        self.table = table
+        self.pool = pool
+        self.order = -1
+        self.graph: Any = None
+        self.inplace_idx: list[int] = []
+        self.ptrs: list[int | None] = []
+        self.copy_idx: list[int] = []
+        self.bufs: list[torch.Tensor] = []
+        self.copyback_idx: list[int] = []
+        self.copyback_bufs: list[torch.Tensor] = []
+        self.outputs: list[Any] = []
+        self.alias_idx: list[int] = []
+        self.clone_idx: list[int] = []
+        self.watch: list[Watch] = []
+        self.managed: list[int] = []
+        self.retired = False
+
+    def retire(self, held: list[Watch]) -> None:
+        self.retired = True
+        self.table.on_retire(self, held)
+
+
+class _Table:
+    """The recordings of one segment for one input-shape key."""
+
+    __slots__ = ("copy_out", "exhausted", "last", "made", "recordings", "retires", "warmed")
+
+    def __init__(self) -> None:
+        self.recordings: list[_Recording] = []
+        self.last: _Recording | None = None
+        self.copy_out: set[int] = set()
+        self.made = 0
+        self.retires = 0
+        self.warmed = False
+        self.exhausted = False
+
+    def find(self, inputs: list[Any]) -> _Recording | None:
+        for rec in self.recordings:
+            if tensors_data_ptrs_equal(inputs, rec.ptrs, rec.inplace_idx):
+                return rec
+        return None
+
+    def on_retire(self, rec: _Recording, held: list[Watch]) -> None:
+        for w in held:
+            self.copy_out.update(w.positions)
+        if rec in self.recordings:
+            self.recordings.remove(rec)
+        if self.last is rec:
+            self.last = None
+        self.retires += 1
+        _manage(rec.managed, -1)
+
+
+class CapturedSegment:
+    """Runs one segment as CUDA graphs; a boxed callable ``seg(inputs) -> outputs``.
+
+    ``fn`` is the segment's compiled code (boxed: it takes a list). The first
+    call for each input shape is the warm-up and runs ``fn`` directly; the next
+    one records and replays.
+    """
+
+    def __init__(
+        self,
+        fn: SegmentFn,
+        spec: SegmentSpec,
+        capturer: Capturer,
+        device: torch.device | None,
+        shared_pool: MemoryPool | None = None,
+    ) -> None:
+        self.fn = fn
+        self.spec = spec
+        self.capturer = capturer
+        self.device = device
+        self.shared_pool = shared_pool
+        self._tables: dict[Any, _Table] = {}
+        self._off: Unsupported | None = None
+        self._shapes_warned = False
+        self.replays = 0
+        self.uncaptured_calls = 0
+        self.pool_bytes = 0
+        self._boxed_call = True
+
+    # --- per call ------------------------------------------------------------------------
+
+    def __call__(self, inputs: list[Any]) -> Sequence[Any]:
+        if self._off is not None:
+            return self._uncaptured(inputs)
+        key = self._key(inputs) if self.spec.dynamic else None
+        table = self._tables.get(key)
+        if table is None:
+            return self._new_shape(key, inputs)
+        rec = table.last
+        if rec is None or not tensors_data_ptrs_equal(inputs, rec.ptrs, rec.inplace_idx):
+            rec = table.find(inputs) or self._record(table, inputs)
+            if rec is None:
+                return self._uncaptured(inputs)
+            table.last = rec
+        if not rec.pool.safe_to_replay(rec):
+            rec = self._record(table, inputs)
+            if rec is None:
+                return self._uncaptured(inputs)
+            table.last = rec
+        return self._replay(rec, inputs)
+
+    def _replay(self, rec: _Recording, inputs: list[Any]) -> list[Any]:
+        if rec.copy_idx:
+            foreach_copy(rec.bufs, [inputs[i] for i in rec.copy_idx])
+        self.capturer.replay(rec.graph)
+        if rec.copyback_idx:
+            foreach_copy([inputs[i] for i in rec.copyback_idx], rec.copyback_bufs)
+        self.replays += 1
+        inputs.clear()
+        outs = rec.outputs.copy()
+        for p in rec.alias_idx:
+            outs[p] = outs[p].detach()
+        for p in rec.clone_idx:
+            outs[p] = outs[p].clone()
+        return outs
+
+    def _uncaptured(self, inputs: list[Any]) -> Sequence[Any]:
+        self.uncaptured_calls += 1
+        return self.fn(inputs)
+
+    def _key(self, inputs: list[Any]) -> tuple[Any, ...]:
+        return tuple(
+            (tuple(v.shape), v.stride()) if isinstance(v, torch.Tensor) else v for v in inputs
+        )
+
+    # --- slow paths ------------------------------------------------------------------------
+
+    def _new_shape(self, key: Any, inputs: list[Any]) -> Sequence[Any]:
+        if len(self._tables) >= max(1, self.spec.options.max_shapes):
+            if not self._shapes_warned:
+                self._shapes_warned = True
+                self._skip(
+                    SkipReason.DYNAMIC_SHAPE_BUDGET,
+                    f"input shapes {_shapes(inputs)} are the "
+                    f"{len(self._tables) + 1}th distinct set; cudagraph_max_shapes="
+                    f"{self.spec.options.max_shapes}, so new shapes run uncaptured",
+                    "pad inputs to a few fixed sizes or raise cudagraph_max_shapes",
+                )
+            return self._uncaptured(inputs)
+        self._tables[key] = _Table()
+        self._tables[key].warmed = True
+        # NOTE: the warm-up is the user's call itself (it draws the same random
+        # numbers as uncaptured compiled code would), so its result is returned.
+        return self._uncaptured(inputs)
+
+    def _record(self, table: _Table, inputs: list[Any]) -> _Recording | None:
+        opts = self.spec.options
+        if table.made >= max(1, opts.max_recording) or table.retires > opts.max_recording:
+            if not table.exhausted:
+                table.exhausted = True
+                self._warn_budget(table, inputs)
+            return None
+        first = table.made == 0 and len(self._tables) == 1 and self.shared_pool is not None
+        pool = (
+            self.shared_pool
+            if first and self.shared_pool is not None
+            else MemoryPool(self.capturer.new_pool_handle())
+        )
+        rec = _Recording(table, pool)
+        static = self.spec.static_positions
+        cap_inputs = list(inputs)
+        for i, v in enumerate(inputs):
+            if not isinstance(v, torch.Tensor):
+                continue
+            if (
+                i in static
+                or is_managed(v)
+                or not non_overlapping_and_dense(v)
+                or v.device != self.device
+            ):
+                rec.inplace_idx.append(i)
+            else:
+                rec.copy_idx.append(i)
+        rec.ptrs = [None] * len(inputs)
+        for i in rec.inplace_idx:
+            rec.ptrs[i] = inputs[i].data_ptr()
+        rec.bufs = [
+            torch.empty_strided(
+                inputs[i].size(), inputs[i].stride(), dtype=inputs[i].dtype, device=inputs[i].device
+            )
+            for i in rec.copy_idx
+        ]
+        foreach_copy(rec.bufs, [inputs[i] for i in rec.copy_idx])
+        for i, buf in zip(rec.copy_idx, rec.bufs, strict=True):
+            cap_inputs[i] = buf
+        mutated = self.spec.mutated_positions
+        rec.copyback_idx = [i for i in rec.copy_idx if i in mutated]
+        rec.copyback_bufs = [b for i, b in zip(rec.copy_idx, rec.bufs, strict=True) if i in mutated]
+        before = self.capturer.reserved()
+        try:
+            rec.graph, rec.outputs = self.capturer.capture(self.fn, cap_inputs, pool.handle)
+        except Exception as exc:
+            self._off = self._skip(
+                SkipReason.CAPTURE_FAILED,
+                f"capture raised {type(exc).__name__}: {exc}",
+                "report the op; mark it with loom_cudagraph.mark_non_capturable meanwhile",
+            )
+            return None
+        del cap_inputs
+        self.pool_bytes += self.capturer.pool_bytes(before)
+        table.made += 1
+        self._finish(rec, inputs)
+        pool.add(rec)
+        table.recordings.append(rec)
+        log.debug("cudagraph: %s recorded (%d for this shape)", self.spec.name, table.made)
+        return rec
+
+    def _finish(self, rec: _Recording, inputs: list[Any]) -> None:
+        table = rec.table
+        outs = rec.outputs
+        in_place = {storage_id(inputs[i]) for i in rec.inplace_idx}
+        groups: dict[int, list[int]] = {}
+        for p, o in enumerate(outs):
+            if isinstance(o, torch.Tensor) and o.device.type != "meta":
+                cdata = storage_id(o)
+                if cdata not in in_place:
+                    groups.setdefault(cdata, []).append(p)
+        escaping = self.spec.escaping_outputs
+        rec.clone_idx = sorted(p for p in table.copy_out if p < len(outs))
+        rec.alias_idx = sorted(
+            p
+            for p in escaping
+            if p < len(outs) and p not in table.copy_out and isinstance(outs[p], torch.Tensor)
+        )
+        watched = [(c, ps) for c, ps in groups.items() if not set(ps) <= table.copy_out]
+        rec.watch = [
+            Watch(c, storage_use_count(c), tuple(ps), tuple(outs[p] for p in ps))
+            for c, ps in watched
+        ]
+        rec.managed = list(groups)
+        _manage(rec.managed, +1)
+
+    def _warn_budget(self, table: _Table, inputs: list[Any]) -> None:
+        last = table.last or (table.recordings[-1] if table.recordings else None)
+        moved = []
+        if last is not None:
+            for i in last.inplace_idx:
+                new = inputs[i].data_ptr() if isinstance(inputs[i], torch.Tensor) else None
+                if new != last.ptrs[i]:
+                    moved.append(i)
+        opts = self.spec.options
+        if moved:
+            i = moved[0]
+            old = last.ptrs[i] if last is not None else None
+            explanation = (
+                f"static input {self.spec.input_names[i]} changed its data pointer from "
+                f"{_hex(old)} to {_hex(inputs[i].data_ptr())} after {table.made} recordings "
+                f"(cudagraph_max_recording={opts.max_recording}); this segment now runs uncaptured"
+            )
+            where = self.spec.input_sources[i]
+        else:
+            explanation = (
+                f"outputs were held across calls {table.retires} times "
+                f"(cudagraph_max_recording={opts.max_recording}); this segment now runs uncaptured"
+            )
+            where = ""
+        self._skip(
+            SkipReason.RERECORD_BUDGET,
+            explanation,
+            "update parameters in place (p.copy_(new)) instead of assigning new tensors, "
+            "or raise cudagraph_max_recording",
+            where=where,
+        )
+
+    def _skip(self, kind: SkipReason, explanation: str, hint: str, where: str = "") -> Unsupported:
+        reason = Unsupported(kind, where or self.spec.name, explanation, hint)
+        report_skip(reason, self.spec.name, self.spec.options)
+        return reason
+
+    # --- report ----------------------------------------------------------------------------
+
+    def stats(self) -> SegmentStats:
+        made = sum(t.made for t in self._tables.values())
+        copied = sorted(
+            set().union(*(t.copy_out for t in self._tables.values())) if self._tables else ()
+        )
+        reasons = (self._off,) if self._off is not None else ()
+        return SegmentStats(
+            name=self.spec.name,
+            captured=self._off is None,
+            reasons=reasons,
+            nodes=self.spec.nodes,
+            recordings=made,
+            shapes=len(self._tables),
+            replays=self.replays,
+            uncaptured_calls=self.uncaptured_calls,
+            pool_bytes=self.pool_bytes,
+            copied_out=tuple(copied),
+        )
+
+
+def _hex(ptr: int | None) -> str:
+    return "None" if ptr is None else hex(ptr)
+
+
+def _shapes(inputs: list[Any]) -> str:
+    return ", ".join(str(tuple(v.shape)) for v in inputs if isinstance(v, torch.Tensor))

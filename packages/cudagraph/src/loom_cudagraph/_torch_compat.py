@@ -1,0 +1,85 @@
+"""loom_cudagraph's only door to private torch APIs (pinned: torch 2.11).
+
+Operator classes, the storage use count that output-liveness checks read, and
+the fused copy used to fill static input buffers. A torch upgrade is a diff
+of this file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+
+__all__ = [
+    "HigherOrderOperator",
+    "OpOverload",
+    "OpOverloadPacket",
+    "foreach_copy",
+    "free_unbacked_symbols",
+    "is_fake_or_meta",
+    "mutated_args",
+    "non_overlapping_and_dense",
+    "storage_id",
+    "storage_use_count",
+    "tensors_data_ptrs_equal",
+]
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """The address of the tensor's StorageImpl (stable while the storage lives)."""
+    return int(t.untyped_storage()._cdata)
+
+
+def storage_use_count(storage_cdata: int) -> int:
+    """How many references (tensors, views, storages) hold a StorageImpl now."""
+    return int(torch._C._storage_Use_Count(storage_cdata))
+
+
+def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all ``i`` in one fused launch where possible."""
+    if dst:
+        torch._foreach_copy_(list(dst), list(src))
+
+
+def free_unbacked_symbols(value: Any) -> set[Any]:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols as _free
+
+    return set(_free(value))
+
+
+def is_fake_or_meta(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+def mutated_args(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments an operator call writes to, from its schema's alias annotations."""
+    if not isinstance(target, OpOverload):
+        return []
+    schema = target._schema
+    if not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            if i < len(args):
+                out.append(args[i])
+            elif arg.name in kwargs:
+                out.append(kwargs[arg.name])
+    return out
+
+
+def tensors_data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -> bool:
+    """``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` in ``indices``, in C++."""
+    return bool(torch._C._tensors_data_ptrs_at_indices_equal(tensors, ptrs, indices))
+
+
+def non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its memory exactly once (so a same-strided copy is exact)."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    return bool(is_non_overlapping_and_dense_or_false(t))

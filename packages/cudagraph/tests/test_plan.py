@@ -1,0 +1,313 @@
+"""The partition plan: classification, maximal segments, order constraints,
+passthrough inputs, serialization and the plan verifier."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.fx
+from _cg_helpers import CUDA, fake_inputs, plan_of, trace_fake
+
+from loom_cudagraph import (
+    CudagraphOptions,
+    PartitionPlan,
+    PlanError,
+    SkipReason,
+    classify_node,
+    mark_non_capturable,
+    plan_graph,
+    unmark_non_capturable,
+)
+
+
+def _kinds(plan: PartitionPlan) -> list[tuple[bool, set[SkipReason]]]:
+    return [(s.captured, {r.kind for r in s.reasons}) for s in plan.segments]
+
+
+def test_pure_device_graph_is_one_captured_segment() -> None:
+    plan = plan_of(lambda x, w: (x @ w).relu() + 1, ((8, 4), CUDA), ((4, 4), CUDA), static=(1,))
+    assert _kinds(plan) == [(True, set())]
+    assert plan.skips() == ()
+    assert plan.static_inputs == (1,)
+    assert plan.device == "cuda:0"
+
+
+def test_meta_tensor_beside_cuda_tensor_is_captured_without_skip() -> None:
+    plan = plan_of(lambda t, y: (t * 2, y * 3), ((1, 16, 8, 8), "meta"), ((64,), CUDA))
+    assert _kinds(plan) == [(True, set())]
+    assert plan.skips() == ()
+
+
+def test_cpu_copy_in_the_middle_leaves_captured_segments_around_it() -> None:
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x1 = x + 1
+        y1 = y + 1
+        y_cpu = y1.cpu() + 1
+        z = x @ y
+        return x1 + y1 + z + y_cpu.cuda()
+
+    plan = plan_of(f, ((2, 2), CUDA), ((2, 2), CUDA))
+    assert [s.captured for s in plan.segments] == [True, False, True]
+    middle = plan.segments[1]
+    assert {r.kind for r in middle.reasons} == {SkipReason.DEVICE_COPY, SkipReason.CPU_TENSOR}
+    assert middle.cuda_work
+    # x + 1, y + 1, x @ y and their sum do not depend on the host op: they all
+    # join the first segment, and only the final add waits for the copy back.
+    assert plan.segments[0].nodes == ("add", "add_1", "mm", "add_3", "add_4")
+    assert len(plan.segments[2].nodes) == 1
+    assert [r.kind for r in plan.skips()] == [SkipReason.DEVICE_COPY, SkipReason.DEVICE_COPY]
+
+
+def test_host_only_node_is_refused_but_is_no_cuda_skip() -> None:
+    plan = plan_of(lambda x, c: (x + 1, c * 2), ((4,), CUDA), ((4,), "cpu"))
+    host = [s for s in plan.segments if not s.captured]
+    assert len(host) == 1 and not host[0].cuda_work
+    assert plan.skips() == ()
+
+
+def test_item_and_nonzero_are_sync_and_data_dependent() -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, object, torch.Tensor]:
+        return x + 1, x.sum().item(), torch.nonzero(x)
+
+    plan = plan_of(f, ((4,), CUDA))
+    kinds = {r.kind for r in plan.skips()}
+    assert kinds == {SkipReason.SYNC_OP, SkipReason.DATA_DEPENDENT_SHAPE}
+    ops = {r.op for r in plan.skips()}
+    assert ops == {"aten._local_scalar_dense.default", "aten.nonzero.default"}
+
+
+def test_masked_select_has_a_data_dependent_shape() -> None:
+    plan = plan_of(lambda x: torch.masked_select(x, x > 0) * 2, ((4,), CUDA))
+    assert SkipReason.DATA_DEPENDENT_SHAPE in {r.kind for r in plan.skips()}
+    # the multiply reads an unbacked size: it stays out of the graph too
+    assert not plan.segments[-1].captured
+
+
+def test_user_marked_op_is_refused_until_unmarked() -> None:
+    mark_non_capturable(torch.ops.aten.sin, "my kernel reads host memory", "call it outside")
+    try:
+        plan = plan_of(lambda x: (x + 1).sin() * 2, ((4,), CUDA))
+        (reason,) = plan.skips()
+        assert reason.kind is SkipReason.USER_MARKED
+        assert reason.explanation == "my kernel reads host memory"
+        assert [s.captured for s in plan.segments] == [True, False, True]
+    finally:
+        unmark_non_capturable(torch.ops.aten.sin)
+    assert plan_of(lambda x: (x + 1).sin() * 2, ((4,), CUDA)).skips() == ()
+
+
+def test_custom_op_tagged_cudagraph_unsafe_is_refused() -> None:
+    @torch.library.custom_op(
+        "loomtest::unsafe_double", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+    )
+    def unsafe_double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @unsafe_double.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    plan = plan_of(lambda x: unsafe_double(x + 1) + 1, ((4,), CUDA))
+    (reason,) = plan.skips()
+    assert reason.kind is SkipReason.USER_MARKED
+    assert "cudagraph_unsafe" in reason.explanation
+
+
+def _graph_with_call(
+    target: object, args_vals: list[torch.Tensor], out_val: object
+) -> torch.fx.Node:
+    g = torch.fx.Graph()
+    phs = []
+    for i, v in enumerate(args_vals):
+        ph = g.placeholder(f"a{i}")
+        ph.meta["val"] = v
+        phs.append(ph)
+    node = g.call_function(target, tuple(phs))  # type: ignore[arg-type]
+    node.meta["val"] = out_val
+    node.meta["stack_trace"] = '  File "/user/train.py", line 12, in step\n    y = op(x)\n'
+    g.output(node)
+    return node
+
+
+def test_collective_is_refused_with_its_source_line() -> None:
+    _, (x,) = fake_inputs(((4,), CUDA))
+    node = _graph_with_call(torch.ops._c10d_functional.all_reduce.default, [x], x)
+    reason = classify_node(node, torch.device("cuda", 0))
+    assert reason is not None and reason.kind is SkipReason.COLLECTIVE
+    assert reason.where == "/user/train.py:12 in step: y = op(x)"
+
+
+def test_rng_state_wrappers_and_second_device_are_refused() -> None:
+    _, (x, other) = fake_inputs(((4,), "cuda:0"), ((4,), "cuda:1"))
+    node = _graph_with_call(torch.ops.aten.add.Tensor, [x, other], x)
+    reason = classify_node(node, torch.device("cuda", 0))
+    assert reason is not None and reason.kind is SkipReason.OTHER_DEVICE
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    node = _graph_with_call(run_and_save_rng_state, [x], x)
+    reason = classify_node(node, torch.device("cuda", 0))
+    assert reason is not None and reason.kind is SkipReason.RNG_STATE
+
+
+def test_getitem_follows_its_producer() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        vals = torch.ops.aten._unique2(x)[0]
+        return vals * 2
+
+    plan = plan_of(f, ((4,), CUDA))
+    seg = next(s for s in plan.segments if any(n.startswith("_unique2") for n in s.nodes))
+    assert any(n.startswith("getitem") for n in seg.nodes)
+
+
+def test_small_segments_run_uncaptured_with_a_threshold() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x + 1).cpu().cuda() * 2
+
+    plan = plan_of(f, ((4,), CUDA), min_segment_nodes=2)
+    assert not any(s.captured for s in plan.segments)
+    # the demoted segments merged with their uncaptured neighbour
+    assert len(plan.segments) == 1
+    assert SkipReason.TOO_SMALL in {r.kind for r in plan.skips()}
+
+
+def test_mutation_keeps_its_order_after_earlier_readers() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        host = x.cpu()
+        x.copy_(x * 2)
+        return host
+
+    gm, inputs = trace_fake(f, ((4,), CUDA))
+    plan = plan_graph(gm, inputs)
+    seg_of = {n: s.index for s in plan.segments for n in s.nodes}
+    copy_node = next(n for n in seg_of if n.startswith("copy_"))
+    to_cpu = next(n for n in seg_of if n.startswith("_to_copy"))
+    assert seg_of[copy_node] > seg_of[to_cpu]
+    assert plan.segments[seg_of[copy_node]].mutated_inputs == ("x_1",)
+
+
+def test_random_draws_keep_their_order() -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.rand(4, device=x.device)
+        host = x.cpu().sum()
+        b = torch.rand(4, device=x.device) + host.cuda()
+        c = torch.rand(4, device=x.device)
+        return a + c, b
+
+    gm, inputs = trace_fake(f, ((4,), CUDA))
+    plan = plan_graph(gm, inputs)
+    seg_of = {n: s.index for s in plan.segments for n in s.nodes}
+    rands = [n.name for n in gm.graph.nodes if n.target is torch.ops.aten.rand.default]
+    assert [seg_of[r] for r in rands] == sorted(seg_of[r] for r in rands)
+    flat = [n for s in plan.segments for n in s.nodes if n in rands]
+    assert flat == rands
+
+
+def test_input_read_again_after_a_host_op_passes_through_the_first_segment() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        a = (x + 1).cpu()
+        return x * a.cuda()
+
+    plan = plan_of(f, ((4,), CUDA))
+    first, _, last = plan.segments
+    assert first.passthrough == ("x_1",) and "x_1" in first.outputs
+    assert "x_1" in last.inputs
+
+
+def test_static_inputs_are_never_passed_through() -> None:
+    def f(w: torch.Tensor) -> torch.Tensor:
+        a = (w + 1).cpu()
+        return w * a.cuda()
+
+    plan = plan_of(f, ((4,), CUDA), static=(0,))
+    assert all(s.passthrough == () for s in plan.segments)
+
+
+def test_segment_inputs_keep_placeholder_order() -> None:
+    # a backward takes saved tensors first, then tangents
+    def bw(saved_a: torch.Tensor, saved_b: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
+        return tangent * saved_b + saved_a
+
+    plan = plan_of(bw, ((4,), CUDA), ((4,), CUDA), ((4,), CUDA))
+    assert plan.segments[0].inputs == ("saved_a_1", "saved_b_1", "tangent_1")
+
+
+def test_plan_round_trips_through_json_and_is_deterministic() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x + 1).cpu().cuda() * torch.nonzero(x).sum()
+
+    plan = plan_of(f, ((4,), CUDA), max_recording=3)
+    again = PartitionPlan.from_json(plan.to_json())
+    assert again == plan
+    assert plan_of(f, ((4,), CUDA), max_recording=3).to_json() == plan.to_json()
+    assert "fx" not in plan.to_json().lower().replace("fx_", "")
+
+
+def test_no_cuda_graph_is_planned_uncaptured_without_skips() -> None:
+    plan = plan_of(lambda x: x + 1, ((4,), "cpu"))
+    assert plan.device is None
+    assert [s.captured for s in plan.segments] == [False]
+    assert plan.skips() == ()
+
+
+def _valid_plan() -> PartitionPlan:
+    return plan_of(lambda x: (x + 1).cpu().cuda() * 2, ((4,), CUDA))
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda p: dataclasses.replace(p, segments=p.segments[1:]), "index 1 at position 0"),
+        (
+            lambda p: dataclasses.replace(
+                p,
+                segments=(
+                    dataclasses.replace(p.segments[0], reasons=p.segments[1].reasons),
+                    *p.segments[1:],
+                ),
+            ),
+            "captured with 2 reasons",
+        ),
+        (
+            lambda p: dataclasses.replace(
+                p,
+                segments=(
+                    p.segments[0],
+                    p.segments[1],
+                    dataclasses.replace(p.segments[2], nodes=p.segments[0].nodes),
+                ),
+            ),
+            "is in two segments",
+        ),
+        (
+            lambda p: dataclasses.replace(
+                p, segments=(dataclasses.replace(p.segments[0], inputs=("ghost",)), *p.segments[1:])
+            ),
+            "input ghost is not produced before it",
+        ),
+        (lambda p: dataclasses.replace(p, static_inputs=(3,)), "static input index out of range"),
+    ],
+)
+def test_check_reports_a_corrupted_plan(corrupt: object, message: str) -> None:
+    plan = _valid_plan()
+    plan.check()
+    bad = corrupt(plan)  # type: ignore[operator]
+    with pytest.raises(PlanError, match=message):
+        bad.check()
+
+
+def test_options_validate_and_read_the_or_error_environment_variable() -> None:
+    with pytest.raises(ValueError, match="max_recording"):
+        CudagraphOptions(max_recording=-1)
+    opts = CudagraphOptions().with_env({"TORCHLOOM_CUDAGRAPH_OR_ERROR": "1"})
+    assert opts.or_error
+    assert not CudagraphOptions().with_env({}).or_error
+
+
+def test_getitem_helper_is_not_a_work_node() -> None:
+    plan = plan_of(lambda x: torch.split(x, 2)[0] * 2, ((4,), CUDA))
+    (seg,) = plan.segments
+    names = seg.nodes
+    assert any(n.startswith("getitem") for n in names)
+    assert seg.work_nodes == len(names) - sum(n.startswith("getitem") for n in names)
