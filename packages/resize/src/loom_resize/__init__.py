@@ -12,7 +12,13 @@ from loom_resize._chains import remove_resize_copy_resize
 from loom_resize._errors import ResizeKind, ResizeRefused, Unsupported
 from loom_resize._fills import rewrite_fills_as_fsdp_copy
 from loom_resize._pattern import FillOp, FSDPPatternStack
-from loom_resize._plan import InputResizes, ResizeCase, ResizePlan, plan_storage_resizes
+from loom_resize._plan import (
+    InputResizes,
+    ResizeCase,
+    ResizePlan,
+    plan_storage_resizes,
+    record_input_storage,
+)
 from loom_resize._result import Change, PassResult
 from loom_resize._shrinks import move_shrinks_after_last_use
 
@@ -32,6 +38,7 @@ __all__ = [
     "__version__",
     "move_shrinks_after_last_use",
     "plan_storage_resizes",
+    "record_input_storage",
     "remove_resize_copy_resize",
     "rewrite_fills_as_fsdp_copy",
 ]

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
+from typing import Any
 
+import torch
 from torch.fx import GraphModule, Node
 
 from loom_resize import _torch_compat as compat
@@ -27,7 +30,17 @@ from loom_resize._nodes import (
     storage_nbytes,
 )
 
-__all__ = ["InputResizes", "ResizeCase", "ResizePlan", "plan_storage_resizes"]
+__all__ = [
+    "STORAGE_NBYTES",
+    "InputResizes",
+    "ResizeCase",
+    "ResizePlan",
+    "plan_storage_resizes",
+    "record_input_storage",
+]
+
+#: Placeholder meta key: the input's storage size in bytes on entry, when known.
+STORAGE_NBYTES = "loom_storage_nbytes"
 
 
 class ResizeCase(enum.Enum):
@@ -113,18 +126,18 @@ def _check_input(resize: Node) -> Node:
 
 def _walk_sizes(target: Node, resizes: list[Node]) -> tuple[int, int, int]:
     value = example_value(target)
-    start = storage_nbytes(value)
-    if start is None:
+    if not isinstance(value, torch.Tensor):
         raise _refuse(
             ResizeKind.INTERMEDIATE,
             target,
-            "has no tensor example value, so its storage size on entry is unknown",
+            "has no tensor example value, so the bytes it needs are unknown",
             "pass the tensor itself as a graph input",
         )
     full = needed_nbytes(value)
-    if "example_value" not in target.meta and resizes:
-        # NOTE: after AOTAutograd the placeholder's fake value has been resized by
-        # the trace itself, so its size on entry is read off the first resize: a
+    start = target.meta.get(STORAGE_NBYTES)
+    if start is None:
+        # NOTE: fake values do not tell the storage size on entry (tracing resized
+        # them), so without a recorded size it is read off the first resize: a
         # resize up means the input entered empty, a resize to 0 that it was full.
         start = 0 if resize_size(resizes[0]) else full
     current = start
@@ -197,3 +210,16 @@ def plan_storage_resizes(gm: GraphModule) -> ResizePlan:
             )
         )
     return ResizePlan(tuple(inputs))
+
+
+def record_input_storage(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Record each tensor input's real storage size on its placeholder.
+
+    Call it on the Dynamo graph with the real example inputs the backend got,
+    so the plan knows which inputs enter with zero storage.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs, strict=False):
+        size = storage_nbytes(value)
+        if size is not None:
+            node.meta[STORAGE_NBYTES] = size

@@ -44,6 +44,8 @@ class LoomOptions:
     cudagraphs: bool = False
     #: Inductor's max-autotune (``mode="max-autotune"`` sets this).
     max_autotune: bool = False
+    #: Remove ``resize_(full) -> copy_ -> resize_(0)`` chains on FSDP-style parameters.
+    resize_remove_chains: bool = True
 
     def changed(self, **updates: Any) -> LoomOptions:
         """A copy with ``updates`` applied and validated."""

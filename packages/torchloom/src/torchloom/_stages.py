@@ -144,3 +144,7 @@ class PipelineStage:
 
 #: The stages the pipeline runs, in order. Packages append theirs here.
 STAGES: list[PipelineStage] = []
+
+from torchloom._stage_resize import ResizeStage  # noqa: E402
+
+STAGES.append(ResizeStage())
