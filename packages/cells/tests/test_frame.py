@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from loom_cells import CellModel, CellRefusal, CellRefused, FrameCells, GuardKind, compile_guards
-from loom_sidefx import ArgSource, GlobalSource, Missing, Original, Roots, SideEffects
+from loom_sidefx import ArgSource, GlobalSource, Missing, Original, Roots, SideEffects, concrete
 
 
 def code_of(fn: Callable[..., Any] | types.CodeType, name: str) -> types.CodeType:
@@ -60,11 +60,11 @@ def test_three_deep_nonlocal_write_matches_cpython() -> None:
     inner_code = code_of(mid_code, "inner")
     mid.make_function(inner_code)
     inner = FrameCells(cells, inner_code, mid.closure_for(inner_code))
-    count = inner.load("count")
+    count = concrete(inner.load("count"))
     inner.store("count", count + 1)
     log = inner.load("log")
     log_ref = se.track_existing(log.obj, log.source)
-    se.list_append(log_ref, (inner.load("count"), inner.load("t")))
+    se.list_append(log_ref, (concrete(inner.load("count")), inner.load("t")))
     plan = se.build((root.load("count"),))
     guards = cells.guards()
 
@@ -125,7 +125,7 @@ def test_name_shadowing_between_nested_locals_and_the_outer_cell() -> None:
     g_frame.store("x", g_frame.load("x") + 1)
     from_cell = g_frame.load("x")
 
-    root.store("x", root.load("x") + from_local + from_cell)
+    root.store("x", concrete(root.load("x")) + from_local + from_cell)
     plan = se.build((root.load("x"),))
     assert plan.describe().splitlines()[1:] == [
         "  closure[0:x].cell_contents = 106",
@@ -154,7 +154,7 @@ def test_a_write_replayed_for_one_hook_is_seen_by_the_other() -> None:
     se = SideEffects()
     cells = CellModel(se)
     frame = FrameCells.for_hook(cells, bump)  # type: ignore[arg-type]
-    frame.store("shared", frame.load("shared") * 10)
+    frame.store("shared", concrete(frame.load("shared")) * 10)
     plan = se.build()
     check = compile_guards(cells.guards())
 
@@ -176,7 +176,7 @@ def test_a_helper_function_sharing_the_hooks_cell_uses_the_same_model() -> None:
     se = SideEffects()
     cells = CellModel(se)
     bump_frame = FrameCells(cells, bump.__code__, cells.closure_of(bump, GlobalSource("bump")))  # type: ignore[arg-type]
-    bump_frame.store("shared", bump_frame.load("shared") * 10)
+    bump_frame.store("shared", concrete(bump_frame.load("shared")) * 10)
     read_frame = FrameCells(cells, read.__code__, cells.closure_of(read, GlobalSource("read")))  # type: ignore[arg-type]
     result = read_frame.load("shared")
     assert result == 10

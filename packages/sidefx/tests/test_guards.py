@@ -18,6 +18,7 @@ from loom_sidefx import (
     Guard,
     GuardKind,
     ItemSource,
+    ObjectSource,
     Roots,
     compile_guards,
     constant_guard,
@@ -129,3 +130,50 @@ def test_malformed_guards_are_rejected_at_construction() -> None:
 
 def test_empty_guard_list_always_passes() -> None:
     assert compile_guards([])(roots())
+
+
+class Positive:
+    def __call__(self, value: Any) -> bool:
+        return bool(value > 0)
+
+    def describe(self) -> str:
+        return "positive"
+
+
+def test_absent_same_as_dict_keys_and_predicate_guards() -> None:
+    shared: list[int] = []
+    guards = [
+        Guard(GuardKind.ABSENT, GlobalSource("later"), None),
+        Guard(GuardKind.ABSENT, ItemSource(GlobalSource("table"), "b"), None),
+        Guard(GuardKind.ABSENT, AttrSource(ArgSource(0), "missing"), None),
+        Guard(GuardKind.SAME_AS, GlobalSource("a"), GlobalSource("b")),
+        Guard(GuardKind.DICT_KEYS, GlobalSource("table"), ("a",)),
+        Guard(GuardKind.PREDICATE, GlobalSource("n"), Positive()),
+    ]
+    check = compile_guards(guards)
+    good = {"table": {"a": 1}, "a": shared, "b": shared, "n": 3}
+    assert check(Roots((Box(),), dict(good)))
+    assert not check(Roots((Box(),), dict(good, later=1)))
+    assert not check(Roots((Box(),), dict(good, table={"a": 1, "b": 2})))
+    assert not check(Roots((Box(),), dict(good, b=[])))
+    assert not check(Roots((Box(),), dict(good, n=-1)))
+    assert [g.describe() for g in guards] == [
+        "absent(G['later'])",
+        "absent(G['table']['b'])",
+        "absent(args[0].missing)",
+        "G['a'] is G['b']",
+        "keys(G['table']) == ('a',)",
+        "positive(G['n'])",
+    ]
+
+
+def test_object_sources_hold_their_root_by_identity() -> None:
+    namespace = {"x": 1}
+    src = ItemSource(ObjectSource(namespace, "globals:other"), "x")
+    assert src.describe() == "globals:other['x']"
+    check = compile_guards([Guard(GuardKind.EQUALS, src, 1)])
+    assert check(roots())
+    namespace["x"] = 2
+    assert not check(roots())
+    assert ObjectSource(namespace, "l") == ObjectSource(namespace, "l")
+    assert ObjectSource(namespace, "l") != ObjectSource({"x": 2}, "l")

@@ -12,14 +12,19 @@ import pytest
 from loom_sidefx import (
     ArgSource,
     AttrSource,
+    CellContentsSource,
+    Computed,
     GlobalSource,
     Missing,
+    ObjectSource,
     ObjKind,
     OpKind,
+    Original,
     PlanCheckError,
     ReplayPlan,
     Roots,
     SideEffects,
+    concrete,
 )
 
 from .conftest import shape
@@ -433,7 +438,8 @@ def test_preexisting_cell_write_and_delete_replay_through_cell_contents() -> Non
     cell = pytypes.CellType(1)
     se = SideEffects()
     ref = se.track_existing(cell, GlobalSource("cell"))
-    assert se.load_cell(ref) == 1
+    assert se.load_cell(ref) == Original(CellContentsSource(GlobalSource("cell")))
+    assert concrete(se.load_cell(ref)) == 1
     se.store_cell(ref, 2)
     se.del_cell(ref)
     assert se.load_cell(ref) is Missing.ABSENT
@@ -505,3 +511,48 @@ def test_a_plan_is_reusable_across_calls_and_compiles_once() -> None:
         g: dict[str, Any] = {"xs": [], "d": {}}
         plan.apply(Roots((), g), (i,))
         assert g == {"xs": [{"t": i}], "d": {"k": 1}}
+
+
+def test_computed_values_are_evaluated_at_replay_time_from_the_state_before() -> None:
+    def real(g: dict[str, Any]) -> None:
+        g["stats"].calls += 1
+        g["total"] = g["total"] * 2 + g["stats"].calls
+
+    def trace(se: SideEffects, g: dict[str, Any]) -> tuple[Any, ...]:
+        stats = G(se, g, "stats")
+        calls = Computed("+", Original(AttrSource(GlobalSource("stats"), "calls")), 1)
+        se.store_attr(stats, "calls", calls)
+        total = Computed(
+            "+", Computed("*", Original(GlobalSource("total")), 2), se.load_attr(stats, "calls")
+        )
+        se.store_global("total", total)
+        return ()
+
+    def make() -> dict[str, Any]:
+        stats = Stats()
+        stats.calls = 4
+        return {"stats": stats, "total": 10}
+
+    plan = differential(make, real, trace)
+    assert "G['total'] = ((G['total'] * 2) + (G['stats'].calls + 1))" in plan.describe()
+
+
+def test_unknown_computed_operators_are_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown Computed operator"):
+        Computed("@", 1, 2)
+
+
+def test_a_store_into_another_modules_globals_goes_through_an_object_source() -> None:
+    other: dict[str, Any] = {"registry": {}}
+    se = SideEffects()
+    ns = se.track_existing(other, ObjectSource(other, "globals:plugins"))
+    se.dict_setitem(ns, "enabled", True)
+    reg = se.dict_lookup(ns, "registry")
+    se.dict_setitem(se.track_existing(reg.obj, reg.source), "k", 1)
+    plan = se.build()
+    assert plan.describe().splitlines()[1:] == [
+        "  dict.__setitem__(globals:plugins, 'enabled', True)",
+        "  dict.__setitem__(globals:plugins['registry'], 'k', 1)",
+    ]
+    plan.apply(Roots((), {}))
+    assert other == {"registry": {"k": 1}, "enabled": True}

@@ -125,12 +125,15 @@ class CellModel:
         return self._cells[ref]
 
     # --------------------------------------------------------- reads, writes
-    def load(self, cell: Cell) -> Value:
+    def load(self, cell: Cell, *, guard: bool = True) -> Value:
         """``LOAD_DEREF``: the cell's current contents.
 
         For a pre-existing cell not yet written by the trace this is an
         :class:`~loom_sidefx.Original` (or the Ref of an already tracked object,
         or the constant itself), and the read is guarded per the guard policy.
+        With ``guard=False`` the tracer defers the guard (e.g. an int that is
+        only used in replayed arithmetic) and calls :meth:`guard_read` if it
+        later specializes on the value.
         """
         value = self.side_effects.load_cell(cell.ref)
         if value is Missing.ABSENT:
@@ -139,9 +142,19 @@ class CellModel:
                 f"free variable {cell.name!r} referenced before assignment",
                 "assign the variable before the hook reads it",
             )
-        if not cell.is_new and not self.side_effects.is_mutated(cell.ref):
-            self._guard_original(cell)
+        if guard:
+            self.guard_read(cell)
         return value
+
+    def guard_read(self, cell: Cell, kind: GuardKind | None = None) -> Guard | None:
+        """Guard the original contents of a pre-existing cell (``kind`` overrides the policy).
+
+        Returns the guard, or None when none is needed: a new cell, a cell the
+        trace already wrote (its value is symbolic), or a policy that says so.
+        """
+        if cell.is_new or self.side_effects.is_mutated(cell.ref):
+            return None
+        return self._guard_original(cell, kind)
 
     def store(self, cell: Cell, value: Value) -> None:
         """``STORE_DEREF``: symbolic for a new cell, a replayed side effect for a pre-existing one."""
@@ -191,13 +204,16 @@ class CellModel:
             for i, (c, n) in enumerate(zip(cells, names, strict=True))
         )
 
-    def _guard_original(self, cell: Cell) -> None:
+    def _guard_original(self, cell: Cell, kind: GuardKind | None) -> Guard | None:
         src = self.side_effects.source_of(cell.ref)
-        contents: Any = self.side_effects.live_object(cell.ref)
-        contents = contents.cell_contents
-        kind = self.guard_policy(contents)
+        live: Any = self.side_effects.live_object(cell.ref)
+        try:
+            contents = live.cell_contents
+        except ValueError:
+            return None
+        kind = kind or self.guard_policy(contents)
         if kind is None:
-            return
+            return None
         if src is None:
             self._refuse(
                 CellRefusal.NO_SOURCE,
@@ -208,12 +224,15 @@ class CellModel:
             expected: Any = type(contents)
         elif kind is GuardKind.LENGTH:
             expected = len(contents)
+        elif kind is GuardKind.DICT_KEYS:
+            expected = tuple(contents)
         else:
             expected = contents
         guard = Guard(kind, CellContentsSource(src), expected)
         if guard not in self._guards:
             log.debug("guard %s", guard.describe())
             self._guards[guard] = None
+        return guard
 
     def _require_source(self, cell: Cell, what: str) -> None:
         if not cell.is_new and self.side_effects.source_of(cell.ref) is None:

@@ -1,7 +1,7 @@
 """Symbolic values with a mutation type, the side-effect log of a traced hook, pruning of dead new objects, and the replay plan that applies recorded side effects, in program order, after a compiled graph runs. Pure Python: it never imports torch."""
 
 from ._builder import SideEffects
-from ._guards import Guard, GuardKind, compile_guards, constant_guard
+from ._guards import Guard, GuardKind, GuardPredicate, compile_guards, constant_guard
 from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
 from ._refusals import SideEffectRefusal, SideEffectRefused, Unsupported
 from ._replay import PlanCheckError, ReplayPlan, checks_enabled
@@ -13,28 +13,45 @@ from ._sources import (
     FunctionClosureSource,
     GlobalSource,
     ItemSource,
+    ObjectSource,
     Roots,
     Source,
 )
-from ._values import Missing, MutationType, ObjKind, Original, Ref, TensorSlot, Value, is_constant
+from ._values import (
+    COMPUTE_OPS,
+    Computed,
+    Missing,
+    MutationType,
+    ObjKind,
+    Original,
+    Ref,
+    TensorSlot,
+    Value,
+    concrete,
+    is_constant,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "COMPUTE_OPS",
     "ArgSource",
     "AttrSource",
     "CellContentsSource",
     "ClosureSource",
+    "Computed",
     "FunctionClosureSource",
     "FunctionSpec",
     "GlobalSource",
     "Guard",
     "GuardKind",
+    "GuardPredicate",
     "ItemSource",
     "Missing",
     "MutationType",
     "NewObject",
     "ObjKind",
+    "ObjectSource",
     "Op",
     "OpKind",
     "Original",
@@ -53,6 +70,7 @@ __all__ = [
     "__version__",
     "checks_enabled",
     "compile_guards",
+    "concrete",
     "constant_guard",
     "is_constant",
 ]

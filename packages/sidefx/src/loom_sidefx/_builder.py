@@ -20,7 +20,17 @@ from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
 from ._refusals import SideEffectRefusal, SideEffectRefused, Unsupported
 from ._replay import ReplayPlan, checks_enabled
 from ._sources import CellContentsSource, ItemSource, Source
-from ._values import Missing, MutationType, ObjKind, Original, Ref, TensorSlot, Value, is_constant
+from ._values import (
+    Computed,
+    Missing,
+    MutationType,
+    ObjKind,
+    Original,
+    Ref,
+    TensorSlot,
+    Value,
+    is_constant,
+)
 
 __all__ = ["SideEffects"]
 
@@ -500,6 +510,8 @@ class SideEffects:
                     stack.extend(self._contents(self._entries[v.index]))
             elif type(v) is tuple:
                 stack.extend(v)
+            elif isinstance(v, Computed):
+                stack.extend((v.lhs, v.rhs))
             elif isinstance(v, Original) and v.source is None:
                 self._refuse(
                     SideEffectRefusal.NO_SOURCE,
@@ -634,13 +646,15 @@ class SideEffects:
         return entry.mapping
 
     def _original(self, obj: object, source: Source | None) -> Value:
-        if is_constant(obj):
+        # NOTE: constants stay Originals too: using the trace-time value is a
+        # specialization the tracer must guard; replaying the source is not.
+        if source is None and is_constant(obj):
             return obj
         return Original(source, obj)
 
     def _view(self, value: Value) -> Value:
         """Present an Original of a tracked object as that object's Ref."""
-        if isinstance(value, Original):
+        if isinstance(value, Original) and not is_constant(value.obj):
             ref = self._by_id.get(id(value.obj))
             if ref is not None:
                 return ref
@@ -663,6 +677,8 @@ class SideEffects:
             return value
         if type(value) is tuple:
             return tuple(self._value(v) for v in value)
+        if isinstance(value, Computed):
+            return Computed(value.op, self._value(value.lhs), self._value(value.rhs))
         self._refuse(
             SideEffectRefusal.UNSUPPORTED_VALUE,
             f"cannot record a value of type {type(value).__qualname__}",

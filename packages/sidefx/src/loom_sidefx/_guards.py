@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import keyword
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ._ops import describe_type
 from ._sources import (
@@ -26,12 +26,13 @@ from ._sources import (
     FunctionClosureSource,
     GlobalSource,
     ItemSource,
+    ObjectSource,
     Roots,
     Source,
 )
 from ._values import is_constant
 
-__all__ = ["Guard", "GuardKind", "compile_guards", "constant_guard"]
+__all__ = ["Guard", "GuardKind", "GuardPredicate", "compile_guards", "constant_guard"]
 
 
 class GuardKind(enum.Enum):
@@ -45,6 +46,25 @@ class GuardKind(enum.Enum):
     TYPE = "type"
     #: ``len(value) == expected``.
     LENGTH = "length"
+    #: The last step of the source does not resolve: the global, dict key or
+    #: attribute is absent (``expected`` is None).
+    ABSENT = "absent"
+    #: ``value is`` the object at another source (``expected`` is that Source).
+    SAME_AS = "same_as"
+    #: ``tuple(value) == expected``: a dict's keys, in order (constants).
+    DICT_KEYS = "dict_keys"
+    #: ``expected(value)`` is true, for a :class:`GuardPredicate` supplied by the
+    #: caller (e.g. tensor metadata checks by a torch-aware tracer).
+    PREDICATE = "predicate"
+
+
+@runtime_checkable
+class GuardPredicate(Protocol):
+    """A caller-defined check on one value, with deterministic text."""
+
+    def __call__(self, value: Any) -> bool: ...
+
+    def describe(self) -> str: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,14 +84,28 @@ class Guard:
             raise TypeError("TYPE guard needs a class")
         if self.kind is GuardKind.LENGTH and type(self.expected) is not int:
             raise TypeError("LENGTH guard needs an int")
+        if self.kind is GuardKind.ABSENT and not isinstance(
+            self.source, GlobalSource | ItemSource | AttrSource
+        ):
+            raise TypeError("ABSENT guard needs a global, item or attribute source")
+        if self.kind is GuardKind.SAME_AS and not isinstance(self.expected, Source):
+            raise TypeError("SAME_AS guard needs a Source")
+        if self.kind is GuardKind.DICT_KEYS and not (
+            type(self.expected) is tuple and is_constant(self.expected)
+        ):
+            raise TypeError("DICT_KEYS guard needs a tuple of constant keys")
+        if self.kind is GuardKind.PREDICATE and not isinstance(self.expected, GuardPredicate):
+            raise TypeError("PREDICATE guard needs a GuardPredicate (callable with describe())")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Guard):
             return NotImplemented
         if self.kind is not other.kind or self.source != other.source:
             return False
-        if self.kind is GuardKind.EQUALS:
+        if self.kind in (GuardKind.EQUALS, GuardKind.DICT_KEYS):
             return _same_constant(self.expected, other.expected)
+        if self.kind is GuardKind.SAME_AS:
+            return bool(self.expected == other.expected)
         return bool(self.expected is other.expected)
 
     def __hash__(self) -> int:
@@ -90,7 +124,15 @@ class Guard:
             return f"{src} == {self.expected!r}"
         if self.kind is GuardKind.TYPE:
             return f"type({src}) is {describe_type(self.expected)}"
-        return f"len({src}) == {self.expected}"
+        if self.kind is GuardKind.LENGTH:
+            return f"len({src}) == {self.expected}"
+        if self.kind is GuardKind.ABSENT:
+            return f"absent({src})"
+        if self.kind is GuardKind.SAME_AS:
+            return f"{src} is {self.expected.describe()}"
+        if self.kind is GuardKind.DICT_KEYS:
+            return f"keys({src}) == {self.expected!r}"
+        return f"{self.expected.describe()}({src})"
 
 
 def constant_guard(source: Source, value: Any) -> Guard:
@@ -133,6 +175,8 @@ def compile_guards(guards: Sequence[Guard]) -> Callable[[Roots], bool]:
             text = f"g[{const(src.name)}]"
         elif isinstance(src, ClosureSource):
             text = f"c[{src.index}]"
+        elif isinstance(src, ObjectSource):
+            text = const(src.obj)
         elif isinstance(src, AttrSource):
             base = expr(src.base)
             ok = src.name.isidentifier() and not keyword.iskeyword(src.name)
@@ -152,8 +196,19 @@ def compile_guards(guards: Sequence[Guard]) -> Callable[[Roots], bool]:
         return name
 
     for guard in dict.fromkeys(guards):
+        if guard.kind is GuardKind.ABSENT:
+            lines.append(
+                f"        if not ({_absent(guard.source, expr, const)}):\n            return False"
+            )
+            continue
         v = expr(guard.source)
-        if guard.kind is GuardKind.IDENTITY:
+        if guard.kind is GuardKind.SAME_AS:
+            cond = f"{v} is {expr(guard.expected)}"
+        elif guard.kind is GuardKind.DICT_KEYS:
+            cond = f"tuple({v}) == {const(guard.expected)}"
+        elif guard.kind is GuardKind.PREDICATE:
+            cond = f"{const(guard.expected)}({v})"
+        elif guard.kind is GuardKind.IDENTITY:
             cond = f"{v} is {const(guard.expected)}"
         elif guard.kind is GuardKind.TYPE:
             cond = f"type({v}) is {const(guard.expected)}"
@@ -184,3 +239,12 @@ def compile_guards(guards: Sequence[Guard]) -> Callable[[Roots], bool]:
     check: Callable[[Roots], bool] = ns["check"]
     check.__doc__ = "\n".join(g.describe() for g in guards)
     return check
+
+
+def _absent(src: Source, expr: Callable[[Source], str], const: Callable[[Any], str]) -> str:
+    if isinstance(src, GlobalSource):
+        return f"{const(src.name)} not in g"
+    if isinstance(src, ItemSource):
+        return f"{const(src.key)} not in {expr(src.base)}"
+    assert isinstance(src, AttrSource)
+    return f"not hasattr({expr(src.base)}, {const(src.name)})"

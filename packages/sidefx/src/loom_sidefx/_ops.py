@@ -15,7 +15,7 @@ import enum
 from typing import Any
 
 from ._sources import Source
-from ._values import ObjKind, Original, Ref, TensorSlot, Value
+from ._values import Computed, ObjKind, Original, Ref, TensorSlot, Value
 
 __all__ = ["NewObject", "Op", "OpKind", "PreexistingObject"]
 
@@ -181,6 +181,11 @@ def describe_value(value: Value, names: dict[Ref, str]) -> str:
         return names.get(value, f"<untracked ref {value.index}>")
     if isinstance(value, TensorSlot | Original):
         return value.describe()
+    if isinstance(value, Computed):
+        lhs, rhs = describe_value(value.lhs, names), describe_value(value.rhs, names)
+        if value.op in ("min", "max"):
+            return f"{value.op}({lhs}, {rhs})"
+        return f"({lhs} {value.op} {rhs})"
     if type(value) is tuple:
         inner = ", ".join(describe_value(v, names) for v in value)
         return f"({inner},)" if len(value) == 1 else f"({inner})"

@@ -30,7 +30,18 @@ from ._ops import (
     describe_value,
 )
 from ._sources import Roots, Source
-from ._values import Missing, MutationType, ObjKind, Original, Ref, TensorSlot, Value, is_constant
+from ._values import (
+    COMPUTE_OPS,
+    Computed,
+    Missing,
+    MutationType,
+    ObjKind,
+    Original,
+    Ref,
+    TensorSlot,
+    Value,
+    is_constant,
+)
 
 __all__ = ["PlanCheckError", "ReplayPlan", "checks_enabled"]
 
@@ -182,6 +193,9 @@ def _walk(value: Value, visit: Callable[[Value], object]) -> None:
     if type(value) is tuple:
         for v in value:
             _walk(v, visit)
+    elif isinstance(value, Computed):
+        _walk(value.lhs, visit)
+        _walk(value.rhs, visit)
 
 
 def _check_value(value: Value, defined: dict[Ref, ObjKind], num_slots: int) -> list[str]:
@@ -199,6 +213,9 @@ def _check_value(value: Value, defined: dict[Ref, ObjKind], num_slots: int) -> l
         elif isinstance(v, Original):
             if not isinstance(v.source, Source):
                 problems.append("an Original value has no source")
+        elif isinstance(v, Computed):
+            if v.op not in COMPUTE_OPS:
+                problems.append(f"unknown Computed operator {v.op!r}")
         elif type(v) is not tuple and not is_constant(v):
             problems.append(f"value of type {type(v).__qualname__} is not replayable")
 
@@ -414,6 +431,9 @@ def _value_fn(v: Value, slots: dict[Any, int]) -> ValueFn:
     if isinstance(v, TensorSlot):
         k = v.index
         return lambda env, t: t[k]
+    if isinstance(v, Computed):
+        fn, lhs, rhs = COMPUTE_OPS[v.op], _value_fn(v.lhs, slots), _value_fn(v.rhs, slots)
+        return lambda env, t: fn(lhs(env, t), rhs(env, t))
     if type(v) is tuple and not is_constant(v):
         fns = tuple(_value_fn(x, slots) for x in v)
         return lambda env, t: tuple([f(env, t) for f in fns])

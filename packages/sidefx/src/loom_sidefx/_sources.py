@@ -23,6 +23,7 @@ __all__ = [
     "FunctionClosureSource",
     "GlobalSource",
     "ItemSource",
+    "ObjectSource",
     "Roots",
     "Source",
 ]
@@ -118,6 +119,35 @@ class ClosureSource(Source):
 
     def describe(self) -> str:
         return f"closure[{self.index}:{self.name}]"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class ObjectSource(Source):
+    """A root object held by identity, described by ``label``.
+
+    For roots that are fixed for a given hook but are not its own args, globals
+    or closure: the globals dict of another module (``label="globals:mymod"``),
+    the hook function itself. Equal only to a source holding the same object
+    under the same label.
+    """
+
+    obj: Any
+    label: str
+
+    def compile(self) -> Getter:
+        obj = self.obj
+        return lambda roots: obj
+
+    def describe(self) -> str:
+        return self.label
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ObjectSource):
+            return NotImplemented
+        return self.obj is other.obj and self.label == other.label
+
+    def __hash__(self) -> int:
+        return hash(("ObjectSource", self.label))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -4,7 +4,8 @@ A value recorded by the log is one of: a constant (``None``, ``bool``, ``int``,
 ``float``, ``complex``, ``str``, ``bytes``, ``...``, or a tuple/frozenset of
 constants), a :class:`Ref` to a tracked object, a :class:`TensorSlot` (an extra
 output of the graph), an :class:`Original` (an unmodified item of a pre-existing
-object, reached through its source), or a plain ``tuple`` of values. Invariant:
+object, reached through its source), a :class:`Computed` (arithmetic evaluated
+at replay time), or a plain ``tuple`` of values. Invariant:
 values are immutable and never carry ``id()``; tracked objects are referred to
 by their :class:`Ref`, whose identity is the order in which they were tracked.
 """
@@ -13,11 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
+from collections.abc import Callable
 from typing import Any, TypeAlias
 
 from ._sources import Source
 
 __all__ = [
+    "COMPUTE_OPS",
+    "Computed",
     "Missing",
     "MutationType",
     "ObjKind",
@@ -25,10 +30,11 @@ __all__ = [
     "Ref",
     "TensorSlot",
     "Value",
+    "concrete",
     "is_constant",
 ]
 
-#: A recorded value: a constant, Ref, TensorSlot, Original, or a tuple of values.
+#: A recorded value: a constant, Ref, TensorSlot, Original, Computed, or a tuple of values.
 Value: TypeAlias = Any
 
 _CONSTANT_TYPES: frozenset[type] = frozenset(
@@ -110,7 +116,10 @@ class Original:
 
     Replay reaches it through ``source``, evaluated before any mutation is
     applied. ``obj`` is the live object seen while tracing (for the tracer to
-    inspect and guard on); it takes no part in equality.
+    inspect and guard on); it takes no part in equality. Constants read from
+    pre-existing state are Originals too, so storing them elsewhere or using
+    them in a :class:`Computed` needs no guard; :func:`concrete` gives the
+    trace-time value when the tracer specializes on it.
     """
 
     source: Source | None
@@ -118,3 +127,54 @@ class Original:
 
     def describe(self) -> str:
         return self.source.describe() if self.source is not None else "<original without source>"
+
+
+def concrete(value: Value) -> Any:
+    """The trace-time object behind a value: ``Original.obj`` (recursively in tuples).
+
+    Using it specializes the trace on that object: guard its source.
+    """
+    if isinstance(value, Original):
+        return value.obj
+    if type(value) is tuple:
+        return tuple(concrete(v) for v in value)
+    return value
+
+
+#: Binary operators a :class:`Computed` value may apply.
+COMPUTE_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
+    "/": operator.truediv,
+    "//": operator.floordiv,
+    "%": operator.mod,
+    "**": operator.pow,
+    "&": operator.and_,
+    "|": operator.or_,
+    "^": operator.xor,
+    "<<": operator.lshift,
+    ">>": operator.rshift,
+    "min": min,
+    "max": max,
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Computed:
+    """``lhs <op> rhs`` evaluated at replay time.
+
+    Lets ``count += 1`` on a pre-existing int be replayed as
+    ``Computed("+", Original(count_source), 1)`` with no guard on ``count``, as
+    long as the trace never branches on it. Operands are values.
+    """
+
+    op: str
+    lhs: Value
+    rhs: Value
+
+    def __post_init__(self) -> None:
+        if self.op not in COMPUTE_OPS:
+            raise ValueError(
+                f"unknown Computed operator {self.op!r} (known: {sorted(COMPUTE_OPS)})"
+            )
