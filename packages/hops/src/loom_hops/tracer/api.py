@@ -1,0 +1,171 @@
+"""``trace_hook``: turn a plain Python hook into a ``TracedHook`` or a ``HookUnsupported``."""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import _torch_compat
+from . import ops_arith as _ops_arith  # noqa: F401  (registers handlers)
+from . import ops_call as _ops_call  # noqa: F401
+from . import ops_control as _ops_control  # noqa: F401
+from . import ops_load_store as _ops_load_store  # noqa: F401
+from . import ops_stack as _ops_stack  # noqa: F401
+from .context import TraceContext
+from .fingerprint import compute_fingerprint
+from .frame import inline_call, make_root_function
+from .guards import compile_guards
+from .refusal import HookUnsupported, Refused, TraceRefusal, refuse
+from .sources import ArgSource
+from .traced import TracedHook
+
+log = logging.getLogger("torchloom.hops.tracer")
+
+DEFAULT_MAX_DEPTH = 16
+
+
+def trace_hook(
+    fn: Any, example_args: Sequence[Any], *, max_depth: int = DEFAULT_MAX_DEPTH
+) -> TracedHook | HookUnsupported:
+    """Trace ``fn(*example_args)`` symbolically; tensors in the arguments may be real or fake.
+
+    >>> def pack(t):                                # doctest: +SKIP
+    ...     return (t.dtype, t.to(torch.bfloat16))
+    >>> traced = trace_hook(pack, (torch.randn(4),))  # doctest: +SKIP
+    """
+    if not isinstance(fn, types.FunctionType):
+        return HookUnsupported(
+            TraceRefusal.UNSUPPORTED_CALL,
+            "<hook>",
+            f"the hook is a {type(fn).__qualname__}, not a Python function",
+            "pass a plain function (wrap callables in a def)",
+        )
+    ctx = TraceContext(_fake_mode_for(example_args), max_depth=max_depth)
+    ctx.where = f"{fn.__code__.co_filename.rsplit('/', 1)[-1]}:{fn.__code__.co_firstlineno}"
+    try:
+        root = make_root_function(fn, ctx)
+        args = [ctx.wrap(a, ArgSource(i)) for i, a in enumerate(example_args)]
+        result = inline_call(ctx, root, args, {}, depth=0)
+        torch_gm, plan, num_user = ctx.finish(result)
+        plan.check()
+        graph = _lower(ctx, torch_gm)
+    except Refused as exc:
+        if exc.where is None:
+            exc.where = ctx.where
+        refusal = exc.to_unsupported()
+        log.debug("hook %s refused: %s", fn.__qualname__, refusal)
+        return refusal
+    except Exception as exc:  # a tracer bug must never become a wrong trace
+        log.warning("hook tracer failed on %s", fn.__qualname__, exc_info=True)
+        return HookUnsupported(
+            TraceRefusal.TRACER_ERROR,
+            ctx.where,
+            f"internal error of the hook tracer: {type(exc).__name__}: {exc}",
+            "please report this hook; it runs eagerly meanwhile",
+        )
+    guards = tuple(ctx.guards.values())
+    guard_fn, guard_source = compile_guards(guards)
+    input_sources = tuple(source for source, _, _ in ctx.inputs)
+    fingerprint = compute_fingerprint(ctx.codes, guards, input_sources, graph, plan, num_user)
+    traced = TracedHook(
+        fn=fn,
+        graph=graph,
+        input_sources=input_sources,
+        num_user_outputs=num_user,
+        replay=plan,
+        guards=guards,
+        guard_fn=guard_fn,
+        guard_source=guard_source,
+        fingerprint=fingerprint,
+        opaque_calls=tuple(ctx.opaque_calls),
+        torch_graph=torch_gm,
+    )
+    log.debug("traced hook %s\n%s", fn.__qualname__, traced.describe())
+    return traced
+
+
+def _fake_mode_for(example_args: Sequence[Any]) -> Any:
+    stack = list(example_args)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            mode = _torch_compat.fake_mode_of(x)
+            if mode is not None:
+                return mode
+        elif isinstance(x, (tuple, list)):
+            stack.extend(x)
+    return _torch_compat.new_fake_mode()
+
+
+def _lower(ctx: TraceContext, torch_gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Aten-level, functional graph of the recorded torch-level graph."""
+    torch_gm.graph.lint()  # type: ignore[no-untyped-call]
+    with ctx.fake_mode:
+        fakes = [fake.detach() for _, _, fake in ctx.inputs]
+    functional = torch.func.functionalize(torch_gm, remove="mutations_and_views")
+    with ctx.fake_mode:
+        gm = make_fx(functional, tracing_mode="real")(*fakes)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default:
+            target = node.args[0]
+            if isinstance(target, torch.fx.Node) and target.op == "placeholder":
+                ctx.where = _first_inplace_on_input(torch_gm) or ctx.where
+                raise refuse(
+                    TraceRefusal.INPUT_MUTATION,
+                    "the hook mutates one of its input tensors in place",
+                    "use the out-of-place op (e.g. t.mul(2) instead of t.mul_(2))",
+                )
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()  # type: ignore[no-untyped-call]
+    gm.recompile()
+    for node in gm.graph.nodes:
+        node.meta["loom_pass"] = "hook_tracer"
+    return gm
+
+
+def _first_inplace_on_input(torch_gm: torch.fx.GraphModule) -> str | None:
+    """Where the first in-place op on an input (or a view of one) was recorded."""
+    derived: set[torch.fx.Node] = set()
+    for node in torch_gm.graph.nodes:
+        if node.op == "placeholder":
+            derived.add(node)
+            continue
+        first = node.args[0] if node.args else None
+        if first not in derived:
+            continue
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        inplace = (
+            (name.endswith("_") and not name.startswith("__"))
+            or (name.startswith("i") and name[1:] in _OPERATOR_NAMES)
+            or name == "setitem"
+        )
+        if inplace:
+            where = node.meta.get("loom_where")
+            return str(where) if where is not None else None
+        derived.add(node)
+    return None
+
+
+_OPERATOR_NAMES = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "floordiv",
+        "mod",
+        "pow",
+        "and",
+        "or",
+        "xor",
+        "lshift",
+        "rshift",
+        "matmul",
+    }
+)

@@ -1,0 +1,620 @@
+"""The state of one trace: the torch-level graph, guards, the side-effect log, object identities.
+
+``TraceContext`` is shared by every frame of one ``trace_hook`` call (the hook
+and the functions it inlines). It turns pre-existing objects into ``Value``s
+(``wrap``: one value per object, keyed by identity, with a source and the
+guards that make the model valid), records tensor work on fake tensors into a
+torch-level FX graph (``call_torch``), buffers side effects in program order,
+and at the end converts everything into graph outputs and a ``ReplayPlan``.
+"""
+
+from __future__ import annotations
+
+import operator
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from . import _torch_compat
+from .guards import Guard, GuardKind, TensorMeta
+from .refusal import Refused, TraceRefusal, refuse
+from .replay import (
+    BINARY_OPS,
+    BinRef,
+    ConstRef,
+    Effect,
+    EffectOp,
+    NewKind,
+    NewObject,
+    NewRef,
+    Ref,
+    ReplayPlan,
+    SourceRef,
+    TensorSlot,
+)
+from .sources import AttrSource, CellSource, GlobalSource, ItemSource, Source
+from .values import (
+    CellV,
+    ConstV,
+    DictV,
+    FunctionV,
+    LazyNum,
+    ListV,
+    ObjectV,
+    SetV,
+    TensorV,
+    TupleV,
+    Value,
+)
+
+_CONST_TYPES: tuple[type, ...] = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Size,
+    range,
+    slice,
+    type(Ellipsis),
+)
+
+# Modules whose attributes are treated as constants (no guard), like Dynamo does.
+_CONSTANT_MODULES = ("torch", "math", "operator", "builtins", "functools", "itertools")
+
+
+def is_const(obj: object) -> bool:
+    """Immutable data that can be baked into a trace (after a guard if it came from a source)."""
+    if isinstance(obj, (tuple, frozenset)) and type(obj) in (tuple, frozenset):
+        return all(is_const(x) for x in obj)
+    return type(obj) in _CONST_TYPES or isinstance(obj, BaseException)
+
+
+def slot(cls: type, name: str) -> Any:
+    """``cls.name`` looked up as an untyped value (for comparing special methods)."""
+    return getattr(cls, name, None)
+
+
+def _is_constant_module(mod: types.ModuleType) -> bool:
+    return mod.__name__.split(".")[0] in _CONSTANT_MODULES
+
+
+@dataclass
+class _PendingEffect:
+    op: EffectOp
+    target: Value | None
+    key: Value | None
+    value: Value | None
+    root: Source | None
+    where: str
+
+
+class TraceContext:
+    """Everything one trace accumulates; see the module docstring."""
+
+    def __init__(self, fake_mode: Any, *, max_depth: int = 16) -> None:
+        self.graph = torch.fx.Graph()
+        self.fake_mode = fake_mode
+        self.max_depth = max_depth
+        self.inputs: list[tuple[Source, torch.fx.Node, torch.Tensor]] = []
+        self.guards: dict[tuple[str, str], Guard] = {}
+        self.effects: list[_PendingEffect] = []
+        self.known: dict[int, Value] = {}
+        self.keepalive: list[object] = []
+        self.global_writes: dict[tuple[int, str], Value | None] = {}
+        self.grad_enabled = torch.is_grad_enabled()
+        self.codes: list[types.CodeType] = []
+        self.opaque_calls: list[str] = []
+        self.where = "<hook>"
+
+    # ------------------------------------------------------------------ guards
+    def guard(self, source: Source | None, kind: GuardKind, expected: Any) -> None:
+        if source is None:
+            return
+        g = Guard(source, kind, expected)
+        self.guards.setdefault(g.key, g)
+
+    def specialize(self, v: Value) -> Any:
+        """The concrete Python value of a constant-like value, guarding what it came from."""
+        if isinstance(v, ConstV):
+            return v.value
+        if isinstance(v, LazyNum):
+            for source, value in v.leaves:
+                self.guard(source, GuardKind.EQUALS, value)
+            return v.value
+        if isinstance(v, TensorV):
+            raise refuse(
+                TraceRefusal.TENSOR_VALUE_CONTROL_FLOW,
+                "a tensor's value is used as a Python value (branch, bool, int, format or key)",
+                "branch on tensor metadata (dtype, shape, device) instead, or use torch.where",
+            )
+        if isinstance(v, TupleV):
+            return tuple(self.specialize(x) for x in v.items)
+        raise refuse(
+            TraceRefusal.UNSUPPORTED_VALUE,
+            f"a {v.py_type.__name__} is used where a constant is needed",
+        )
+
+    def type_of(self, v: Value) -> type:
+        """``type(v)``, guarding the type of a lazily read number."""
+        if isinstance(v, LazyNum):
+            for source, value in v.leaves:
+                self.guard(source, GuardKind.TYPE_MATCH, type(value))
+        return v.py_type
+
+    # ---------------------------------------------------------------- wrapping
+    def remember(self, obj: object, v: Value) -> Value:
+        self.known[id(obj)] = v
+        self.keepalive.append(obj)
+        return v
+
+    def wrap(self, obj: Any, source: Source | None) -> Value:
+        """Model a pre-existing object reached through ``source``."""
+        if isinstance(obj, bool) or not isinstance(obj, (int, float)):
+            known = self.known.get(id(obj))
+            if known is not None and not is_const(obj):
+                if source is not None and known.source is not None and known.source != source:
+                    self.guard(source, GuardKind.SAME_AS, known.source)
+                return known
+        if isinstance(obj, torch.Tensor):
+            return self.remember(obj, self.tensor_input(obj, source))
+        if isinstance(obj, (int, float)) and not isinstance(obj, bool):
+            if source is None:
+                return ConstV(obj)
+            return LazyNum(obj, SourceRef(source), ((source, obj),), source)
+        if is_const(obj):
+            self.guard(source, GuardKind.EQUALS, obj)
+            return ConstV(obj, source)
+        if type(obj) is tuple or (isinstance(obj, tuple) and hasattr(type(obj), "_fields")):
+            self.guard(source, GuardKind.TYPE_MATCH, type(obj))
+            self.guard(source, GuardKind.LEN_EQUALS, len(obj))
+            items = tuple(
+                self.wrap(x, ItemSource(source, i) if source is not None else None)
+                for i, x in enumerate(obj)
+            )
+            return TupleV(items, source, type(obj))
+        if isinstance(obj, types.FunctionType):
+            self.guard(source, GuardKind.IDENTITY, obj)
+            return self.remember(obj, self.function_value(obj, source))
+        if isinstance(obj, types.ModuleType):
+            self.guard(source, GuardKind.IDENTITY, obj)
+            return ConstV(obj, source)
+        if isinstance(obj, (type, types.BuiltinFunctionType, types.MethodDescriptorType)) or (
+            callable(obj)
+            and type(obj).__module__.startswith("torch")
+            and not isinstance(obj, torch.nn.Module)
+        ):
+            self.guard(source, GuardKind.IDENTITY, obj)
+            return ConstV(obj, source)
+        if isinstance(obj, torch.nn.Module):
+            raise refuse(
+                TraceRefusal.UNSUPPORTED_VALUE,
+                f"an nn.Module ({type(obj).__qualname__}) is read by the hook",
+                "pass the module's tensors or settings to the hook through a closure instead",
+            )
+        cls = type(obj)
+        if isinstance(obj, list):
+            self.guard(source, GuardKind.TYPE_MATCH, cls)
+            return self.remember(obj, ListV(obj, source, cls=cls))
+        if isinstance(obj, dict):
+            self.guard(source, GuardKind.TYPE_MATCH, cls)
+            return self.remember(obj, DictV(obj, source, cls=cls))
+        if isinstance(obj, set):
+            self.guard(source, GuardKind.TYPE_MATCH, cls)
+            return self.remember(obj, SetV(obj, source, cls=cls))
+        if (
+            hasattr(obj, "__dict__")
+            and slot(cls, "__getattribute__") is object.__getattribute__
+            and not isinstance(obj, (types.MethodType, types.GeneratorType))
+        ):
+            self.guard(source, GuardKind.TYPE_MATCH, cls)
+            return self.remember(obj, ObjectV(obj, source))
+        raise refuse(
+            TraceRefusal.UNSUPPORTED_VALUE,
+            f"cannot model a {cls.__module__}.{cls.__qualname__} read from {source}",
+        )
+
+    def function_value(self, fn: types.FunctionType, source: Source | None) -> FunctionV:
+        cells = tuple(
+            self.cell_value(cell, f"{fn.__qualname__}.{name}")
+            for cell, name in zip(fn.__closure__ or (), fn.__code__.co_freevars, strict=True)
+        )
+        defaults: tuple[Value, ...] = ()
+        if fn.__defaults__:
+            base = AttrSource(source, "__defaults__") if source is not None else None
+            defaults = tuple(
+                self.wrap(d, ItemSource(base, i) if base is not None else None)
+                for i, d in enumerate(fn.__defaults__)
+            )
+        kwdefaults: dict[str, Value] = {}
+        for k, d in (fn.__kwdefaults__ or {}).items():
+            base = AttrSource(source, "__kwdefaults__") if source is not None else None
+            kwdefaults[k] = self.wrap(d, ItemSource(base, k) if base is not None else None)
+        return FunctionV(
+            fn.__code__, fn.__globals__, fn.__name__, cells, defaults, kwdefaults, fn, source
+        )
+
+    def cell_value(self, cell: types.CellType, label: str) -> CellV:
+        known = self.known.get(id(cell))
+        if isinstance(known, CellV):
+            return known
+        v = CellV(label, cell, source=CellSource(cell, label))
+        self.remember(cell, v)
+        return v
+
+    def tensor_input(self, t: torch.Tensor, source: Source | None) -> TensorV:
+        if source is None:
+            raise refuse(
+                TraceRefusal.UNSUPPORTED_VALUE, "a tensor with no source (a default value?)"
+            )
+        self.guard(source, GuardKind.TENSOR_MATCH, TensorMeta.of(t))
+        fake = _torch_compat.to_fake(self.fake_mode, t)
+        first = next((n for n in self.graph.nodes if n.op != "placeholder"), None)
+        if first is None:
+            node = self.graph.placeholder(f"in{len(self.inputs)}")
+        else:
+            with self.graph.inserting_before(first):
+                node = self.graph.placeholder(f"in{len(self.inputs)}")
+        node.meta["val"] = fake
+        self.inputs.append((source, node, fake))
+        return TensorV(node, fake, source)
+
+    # -------------------------------------------------------------- containers
+    def list_items(self, v: ListV) -> list[Value]:
+        if v.items is None:
+            src = v.source
+            self.guard(src, GuardKind.LEN_EQUALS, len(v.obj))
+            v.items = [
+                self.wrap(x, ItemSource(src, i) if src is not None else None)
+                for i, x in enumerate(list.__iter__(v.obj))
+            ] + v.tail
+            v.tail = []
+        return v.items
+
+    def dict_items(self, v: DictV) -> dict[Any, Value]:
+        if v.items is None:
+            src = v.source
+            keys = tuple(dict.keys(v.obj))
+            for k in keys:
+                if type(k) not in (int, str):
+                    raise refuse(
+                        TraceRefusal.UNSUPPORTED_VALUE,
+                        f"a dict with a {type(k).__name__} key is read by the hook",
+                    )
+            self.guard(src, GuardKind.DICT_KEYS, keys)
+            items = {
+                k: self.wrap(
+                    dict.__getitem__(v.obj, k), ItemSource(src, k) if src is not None else None
+                )
+                for k in keys
+            }
+            items.update(v.pending)
+            v.items, v.pending = items, {}
+        return v.items
+
+    def set_items(self, v: SetV) -> set[Any]:
+        if v.items is None:
+            if not all(is_const(x) for x in v.obj):
+                raise refuse(TraceRefusal.UNSUPPORTED_VALUE, "a set of non-constant values is read")
+            self.guard(v.source, GuardKind.EQUALS, set(v.obj))
+            v.items = set(v.obj)
+        return v.items
+
+    def sequence_items(self, v: Value) -> list[Value]:
+        """The items of an iterable value, for iteration, unpacking and builtins."""
+        from .values import IteratorV
+
+        if isinstance(v, ListV):
+            return list(self.list_items(v))
+        if isinstance(v, TupleV):
+            return list(v.items)
+        if isinstance(v, DictV):
+            return [ConstV(k) for k in self.dict_items(v)]
+        if isinstance(v, SetV):
+            return [ConstV(k) for k in sorted(self.set_items(v), key=repr)]
+        if isinstance(v, IteratorV):
+            items = v.items[v.pos :]
+            v.pos = len(v.items)
+            return items
+        if isinstance(v, (ConstV, LazyNum)):
+            value = self.specialize(v)
+            if isinstance(value, (tuple, range, str, torch.Size, frozenset)):
+                return [ConstV(x) for x in value]
+        if isinstance(v, TensorV):
+            raise refuse(
+                TraceRefusal.UNSUPPORTED_VALUE,
+                "iterating over a tensor",
+                "use t.unbind(0) to get a tuple of tensors",
+            )
+        raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"cannot iterate over a {v.py_type.__name__}")
+
+    # ----------------------------------------------------------------- effects
+    def effect(
+        self,
+        op: EffectOp,
+        target: Value | None = None,
+        key: Value | None = None,
+        value: Value | None = None,
+        root: Source | None = None,
+    ) -> None:
+        if target is not None and target.source is None:
+            return  # a new object: its final state is rebuilt, not replayed
+        self.effects.append(_PendingEffect(op, target, key, value, root, self.where))
+
+    def store_cell(self, cell: CellV, value: Value) -> None:
+        cell.contents, cell.loaded = value, True
+        if cell.cell is not None:
+            self.effects.append(
+                _PendingEffect(
+                    EffectOp.STORE_CELL,
+                    None,
+                    None,
+                    value,
+                    CellSource(cell.cell, cell.label),
+                    self.where,
+                )
+            )
+
+    def load_cell(self, cell: CellV) -> Value:
+        if not cell.loaded:
+            assert cell.cell is not None
+            try:
+                contents = cell.cell.cell_contents
+            except ValueError:
+                raise refuse(
+                    TraceRefusal.HOOK_RAISES, f"free variable {cell.label!r} is not bound yet"
+                ) from None
+            cell.contents, cell.loaded = self.wrap(contents, cell.source), True
+        if cell.contents is None:
+            raise refuse(
+                TraceRefusal.HOOK_RAISES, f"local {cell.label!r} referenced before assignment"
+            )
+        return cell.contents
+
+    def load_global(self, namespace: dict[str, Any], name: str) -> Value:
+        key = (id(namespace), name)
+        if key in self.global_writes:
+            written = self.global_writes[key]
+            if written is None:
+                raise refuse(TraceRefusal.HOOK_RAISES, f"name {name!r} is not defined")
+            return written
+        module = str(namespace.get("__name__", "?"))
+        source = GlobalSource(namespace, module, name)
+        if name in namespace:
+            return self.wrap(namespace[name], source)
+        builtins_ns = namespace.get("__builtins__", __builtins__)
+        if isinstance(builtins_ns, types.ModuleType):
+            builtins_ns = vars(builtins_ns)
+        if name not in builtins_ns:
+            raise refuse(TraceRefusal.HOOK_RAISES, f"name {name!r} is not defined")
+        self.guard(source, GuardKind.GLOBAL_ABSENT, name)
+        return ConstV(builtins_ns[name])
+
+    def store_global(self, namespace: dict[str, Any], name: str, value: Value | None) -> None:
+        self.keepalive.append(namespace)
+        self.global_writes[(id(namespace), name)] = value
+        module = str(namespace.get("__name__", "?"))
+        op = EffectOp.STORE_GLOBAL if value is not None else EffectOp.DELETE_GLOBAL
+        self.effects.append(
+            _PendingEffect(op, None, None, value, GlobalSource(namespace, module, name), self.where)
+        )
+
+    # ------------------------------------------------------------------ tensors
+    def lower_arg(self, v: Value) -> tuple[Any, Any]:
+        """(fake value, graph argument) of a value passed to a torch function."""
+        if isinstance(v, TensorV):
+            return v.fake, v.node
+        if isinstance(v, (ConstV, LazyNum)):
+            value = self.specialize(v)
+            if isinstance(value, (types.ModuleType, types.FunctionType)):
+                raise refuse(
+                    TraceRefusal.UNSUPPORTED_VALUE, f"{value!r} passed to a torch function"
+                )
+            return value, value
+        if isinstance(v, (TupleV, ListV)):
+            items = v.items if isinstance(v, TupleV) else self.list_items(v)
+            pairs = [self.lower_arg(x) for x in items]
+            kind: Callable[[Any], Any] = tuple if isinstance(v, TupleV) else list
+            return kind(p[0] for p in pairs), kind(p[1] for p in pairs)
+        raise refuse(
+            TraceRefusal.UNSUPPORTED_VALUE,
+            f"a {v.py_type.__name__} is passed to a torch function",
+        )
+
+    def call_torch(
+        self,
+        target: Any,
+        args: list[Value],
+        kwargs: dict[str, Value],
+        *,
+        method: str | None = None,
+        opaque: bool = False,
+    ) -> Value:
+        """Run ``target`` on fake tensors and record it in the graph."""
+        lowered = [self.lower_arg(a) for a in args]
+        lowered_kw = {k: self.lower_arg(v) for k, v in kwargs.items()}
+        fake_args = [x[0] for x in lowered]
+        fake_kwargs = {k: x[0] for k, x in lowered_kw.items()}
+        name = method or getattr(target, "__name__", repr(target))
+        try:
+            with self.fake_mode, torch.set_grad_enabled(self.grad_enabled):
+                if method is not None:
+                    out = getattr(fake_args[0], method)(*fake_args[1:], **fake_kwargs)
+                else:
+                    out = target(*fake_args, **fake_kwargs)
+        except Exception as exc:
+            kind_name = type(exc).__name__
+            if "DataDependent" in kind_name or "DynamicOutputShape" in kind_name:
+                raise refuse(
+                    TraceRefusal.DATA_DEPENDENT_OP,
+                    f"{name} needs tensor values (or gives a data-dependent shape): {kind_name}",
+                    "keep the hook's Python logic on tensor metadata",
+                ) from None
+            raise refuse(
+                TraceRefusal.TORCH_ERROR, f"{name} failed on fake tensors: {kind_name}: {exc}"
+            ) from None
+        node_args = tuple(x[1] for x in lowered)
+        node_kwargs = {k: x[1] for k, x in lowered_kw.items()}
+        if method is not None:
+            node = self.graph.call_method(method, node_args, node_kwargs)
+        else:
+            node = self.graph.call_function(target, node_args, node_kwargs)
+        node.meta["loom_where"] = self.where
+        if opaque:
+            node.meta["loom_opaque"] = True
+            self.opaque_calls.append(f"{getattr(target, '__module__', '?')}.{name}")
+        return self.wrap_result(out, node)
+
+    def wrap_result(self, out: Any, node: torch.fx.Node) -> Value:
+        if isinstance(out, torch.Tensor):
+            node.meta["val"] = out
+            return TensorV(node, out)
+        if isinstance(out, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in out):
+            items: list[Value] = []
+            for i, x in enumerate(out):
+                if isinstance(x, torch.Tensor):
+                    item = self.graph.call_function(operator.getitem, (node, i))
+                    items.append(self.wrap_result(x, item))
+                elif is_const(x):
+                    items.append(ConstV(x))
+                else:
+                    raise refuse(
+                        TraceRefusal.UNSUPPORTED_VALUE,
+                        f"torch returned a {type(x).__name__} inside a tuple",
+                    )
+            if isinstance(out, list):
+                return ListV(None, None, items=items)
+            return TupleV(tuple(items), None, type(out))
+        if is_const(out) or isinstance(out, (torch.finfo, torch.iinfo)):
+            # NOTE: the node stays: it may be an in-place op (setitem) returning None.
+            return ConstV(out)
+        raise refuse(
+            TraceRefusal.UNSUPPORTED_VALUE, f"a torch call returned a {type(out).__name__}"
+        )
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, result: Value) -> tuple[torch.fx.GraphModule, ReplayPlan, int]:
+        """Graph outputs + replay plan for the hook's return value and buffered effects."""
+        builder = _PlanBuilder(self)
+        output = builder.ref(result)
+        num_user = len(builder.slots)
+        effects: list[Effect] = []
+        for e in self.effects:
+            try:
+                effects.append(
+                    Effect(
+                        e.op,
+                        builder.ref(e.target) if e.target is not None else None,
+                        builder.ref(e.key) if e.key is not None else None,
+                        builder.ref(e.value) if e.value is not None else None,
+                        e.root,
+                        e.where,
+                    )
+                )
+            except Refused as exc:
+                exc.where = exc.where or e.where
+                raise
+        self.graph.output(tuple(builder.slots))
+        gm = torch.fx.GraphModule(torch.nn.Module(), self.graph)
+        plan = ReplayPlan(
+            reads=tuple(builder.reads.values()),
+            new_objects=tuple(builder.new_objects),
+            effects=tuple(effects),
+            output=output,
+            num_slots=len(builder.slots),
+        )
+        return gm, plan, num_user
+
+
+class _PlanBuilder:
+    """Converts values into replay references, allocating graph slots and new objects."""
+
+    def __init__(self, ctx: TraceContext) -> None:
+        self.ctx = ctx
+        self.slots: list[torch.fx.Node] = []
+        self.slot_of: dict[torch.fx.Node, int] = {}
+        self.reads: dict[str, Source] = {}
+        self.new_objects: list[NewObject] = []
+        self.new_of: dict[int, int] = {}
+        self.building: set[int] = set()
+
+    def read(self, source: Source) -> SourceRef:
+        self.reads.setdefault(source.describe(), source)
+        return SourceRef(source)
+
+    def ref(self, v: Value) -> Ref:
+        if isinstance(v, LazyNum):
+            return self._lazy(v.ref)
+        if isinstance(v, ConstV):
+            return ConstRef(v.value)
+        if v.source is not None and not isinstance(v, CellV):
+            return self.read(v.source)
+        if isinstance(v, TensorV):
+            if v.node not in self.slot_of:
+                self.slot_of[v.node] = len(self.slots)
+                self.slots.append(v.node)
+            return TensorSlot(self.slot_of[v.node])
+        if isinstance(v, (ListV, TupleV, DictV, SetV)):
+            return self._new(v)
+        if isinstance(v, FunctionV):
+            raise refuse(
+                TraceRefusal.ESCAPING_FUNCTION,
+                f"function {v.name!r} created inside the hook escapes it (returned or stored)",
+                "define the function at module level or outside the hook",
+            )
+        raise refuse(
+            TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+            f"a {v.py_type.__name__} created inside the hook escapes it",
+        )
+
+    def _lazy(self, ref: Ref) -> Ref:
+        if isinstance(ref, SourceRef):
+            return self.read(ref.source)
+        if isinstance(ref, BinRef):
+            assert ref.op in BINARY_OPS
+            return BinRef(ref.op, self._lazy(ref.lhs), self._lazy(ref.rhs))
+        return ref
+
+    def _new(self, v: ListV | TupleV | DictV | SetV) -> Ref:
+        key = id(v)
+        if key in self.new_of:
+            return NewRef(self.new_of[key])
+        if key in self.building:
+            raise refuse(
+                TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+                "a container created by the hook contains itself",
+            )
+        self.building.add(key)
+        if isinstance(v, TupleV):
+            kind, items = NewKind.TUPLE, tuple(self.ref(x) for x in v.items)
+        elif isinstance(v, ListV):
+            kind, items = NewKind.LIST, tuple(self.ref(x) for x in self.ctx.list_items(v))
+        elif isinstance(v, SetV):
+            kind, items = (
+                NewKind.SET,
+                tuple(ConstRef(x) for x in sorted(self.ctx.set_items(v), key=repr)),
+            )
+        else:
+            flat: list[Ref] = []
+            for k, x in self.ctx.dict_items(v).items():
+                flat += [ConstRef(k), self.ref(x)]
+            kind, items = NewKind.DICT, tuple(flat)
+        if v.py_type not in (list, tuple, dict, set):
+            raise refuse(
+                TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+                f"a {v.py_type.__qualname__} created inside the hook escapes it",
+            )
+        self.building.discard(key)
+        self.new_of[key] = len(self.new_objects)
+        self.new_objects.append(NewObject(kind, items))
+        return NewRef(self.new_of[key])

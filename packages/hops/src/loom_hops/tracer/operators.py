@@ -1,0 +1,273 @@
+"""Python operators on symbolic values: arithmetic, comparisons, identity, membership,
+truthiness and subscripts.
+
+On tensors an operator becomes a graph node; on constants it is evaluated at
+trace time (an exception there means the hook itself would raise); on numbers
+read from pre-existing state it stays symbolic (``LazyNum``) so that a counter
+update needs no guard. Truthiness of a tensor is refused: that is control flow
+on tensor values.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+from .context import TraceContext, slot
+from .refusal import TraceRefusal, refuse
+from .replay import BINARY_OPS, BinRef, ConstRef, EffectOp, Ref
+from .values import (
+    ConstV,
+    DictV,
+    IteratorV,
+    LazyNum,
+    ListV,
+    ObjectV,
+    SetV,
+    TensorV,
+    TupleV,
+    Value,
+)
+
+INPLACE_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    "+": operator.iadd,
+    "-": operator.isub,
+    "*": operator.imul,
+    "/": operator.itruediv,
+    "//": operator.ifloordiv,
+    "%": operator.imod,
+    "**": operator.ipow,
+    "&": operator.iand,
+    "|": operator.ior,
+    "^": operator.ixor,
+    "<<": operator.ilshift,
+    ">>": operator.irshift,
+    "@": operator.imatmul,
+}
+PLAIN_OPS: dict[str, Callable[[Any, Any], Any]] = {**BINARY_OPS, "@": operator.matmul}
+COMPARE_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    "<": operator.lt,
+    "<=": operator.le,
+    "==": operator.eq,
+    "!=": operator.ne,
+    ">": operator.gt,
+    ">=": operator.ge,
+}
+
+
+def python_op(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Evaluate an operation on constants; an exception is the hook's own error."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        raise refuse(TraceRefusal.HOOK_RAISES, f"{type(exc).__name__}: {exc}") from None
+
+
+def _ref_of(v: Value) -> tuple[Ref, tuple[Any, ...]]:
+    if isinstance(v, LazyNum):
+        return v.ref, v.leaves
+    assert isinstance(v, ConstV)
+    return ConstRef(v.value), ()
+
+
+def binary_op(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
+    """``a <symbol> b`` where ``symbol`` is BINARY_OP's text ("+", "+=", ...)."""
+    inplace = symbol.endswith("=") and symbol not in ("==", "!=", "<=", ">=")
+    base = symbol[:-1] if inplace else symbol
+    if base not in PLAIN_OPS:
+        raise refuse(TraceRefusal.UNSUPPORTED_OPCODE, f"binary operator {symbol!r}")
+    if isinstance(a, TensorV) or isinstance(b, TensorV):
+        fn = INPLACE_OPS[base] if inplace and isinstance(a, TensorV) else PLAIN_OPS[base]
+        return ctx.call_torch(fn, [a, b], {})
+    if isinstance(a, ListV) and base == "+" and inplace:
+        from .containers import list_extend
+
+        list_extend(ctx, a, b)
+        return a
+    if isinstance(a, (ListV, TupleV)) and base in ("+", "*"):
+        return _sequence_op(ctx, base, a, b)
+    numeric = (int, float)
+    if (
+        (isinstance(a, LazyNum) or isinstance(b, LazyNum))
+        and isinstance(a, (LazyNum, ConstV))
+        and isinstance(b, (LazyNum, ConstV))
+        and base in BINARY_OPS
+        and isinstance(_peek(a), numeric)
+        and isinstance(_peek(b), numeric)
+    ):
+        value = python_op(BINARY_OPS[base], _peek(a), _peek(b))
+        ra, la = _ref_of(a)
+        rb, lb = _ref_of(b)
+        return LazyNum(value, BinRef(base, ra, rb), la + lb)
+    x, y = ctx.specialize(a), ctx.specialize(b)
+    return ConstV(python_op(PLAIN_OPS[base], x, y))
+
+
+def _peek(v: Value) -> Any:
+    return v.value if isinstance(v, (ConstV, LazyNum)) else None
+
+
+def _sequence_op(ctx: TraceContext, base: str, a: ListV | TupleV, b: Value) -> Value:
+    items_a = ctx.sequence_items(a)
+    if base == "*":
+        n = ctx.specialize(b)
+        items = items_a * int(n)
+    else:
+        if type(b) is not type(a) and not (
+            isinstance(a, TupleV) and isinstance(b, ConstV) and isinstance(b.value, tuple)
+        ):
+            raise refuse(
+                TraceRefusal.HOOK_RAISES, f"TypeError: can only concatenate {a.py_type.__name__}"
+            )
+        items = items_a + ctx.sequence_items(b)
+    if isinstance(a, TupleV):
+        return TupleV(tuple(items))
+    return ListV(None, None, items=items)
+
+
+def compare(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
+    if isinstance(a, TensorV) or isinstance(b, TensorV):
+        return ctx.call_torch(COMPARE_OPS[symbol], [a, b], {})
+    return ConstV(python_op(COMPARE_OPS[symbol], python_value(ctx, a), python_value(ctx, b)))
+
+
+def python_value(ctx: TraceContext, v: Value) -> Any:
+    """A plain Python copy of a constant-like value (containers of constants included)."""
+    if isinstance(v, IteratorV):
+        return iter([python_value(ctx, x) for x in ctx.sequence_items(v)])
+    if isinstance(v, (ListV, TupleV)) and v.py_type in (list, tuple):
+        items = [python_value(ctx, x) for x in ctx.sequence_items(v)]
+        return items if isinstance(v, ListV) else tuple(items)
+    if isinstance(v, DictV) and v.py_type is dict:
+        return {k: python_value(ctx, x) for k, x in ctx.dict_items(v).items()}
+    if isinstance(v, SetV) and v.py_type is set:
+        return set(ctx.set_items(v))
+    return ctx.specialize(v)
+
+
+def is_same(ctx: TraceContext, a: Value, b: Value) -> bool:
+    """``a is b``: distinct values model distinct objects, except constants."""
+    if a is b:
+        return True
+    if isinstance(a, (ConstV, LazyNum)) and isinstance(b, (ConstV, LazyNum)):
+        return bool(ctx.specialize(a) is ctx.specialize(b))
+    return False
+
+
+def contains(ctx: TraceContext, item: Value, container: Value) -> bool:
+    if isinstance(container, TensorV) or isinstance(item, TensorV):
+        raise refuse(TraceRefusal.TENSOR_VALUE_CONTROL_FLOW, "membership test on a tensor")
+    if isinstance(container, DictV):
+        return bool(python_op(operator.contains, ctx.dict_items(container), ctx.specialize(item)))
+    if isinstance(container, SetV):
+        return bool(python_op(operator.contains, ctx.set_items(container), ctx.specialize(item)))
+    if isinstance(container, (ListV, TupleV)):
+        needle = python_value(ctx, item)
+        return any(
+            (is_same(ctx, item, x) or python_value(ctx, x) == needle)
+            for x in ctx.sequence_items(container)
+        )
+    return bool(python_op(operator.contains, ctx.specialize(container), python_value(ctx, item)))
+
+
+def truthy(ctx: TraceContext, v: Value) -> bool:
+    """``bool(v)`` for a branch."""
+    if isinstance(v, TensorV):
+        raise refuse(
+            TraceRefusal.TENSOR_VALUE_CONTROL_FLOW,
+            "a branch depends on a tensor's values",
+            "branch on tensor metadata (dtype, shape, device) instead, or use torch.where",
+        )
+    if isinstance(v, (ConstV, LazyNum)):
+        return bool(python_op(bool, ctx.specialize(v)))
+    if isinstance(v, (ListV, TupleV)):
+        return bool(ctx.sequence_items(v))
+    if isinstance(v, DictV):
+        return bool(ctx.dict_items(v))
+    if isinstance(v, SetV):
+        return bool(ctx.set_items(v))
+    if isinstance(v, ObjectV):
+        cls = v.py_type
+        if getattr(cls, "__bool__", None) is not None or getattr(cls, "__len__", None) is not None:
+            raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"truth value of a {cls.__qualname__}")
+    return True
+
+
+def get_item(ctx: TraceContext, container: Value, index: Value) -> Value:
+    if isinstance(container, TensorV):
+        return ctx.call_torch(operator.getitem, [container, index], {})
+    if isinstance(container, DictV):
+        key = ctx.specialize(index)
+        items = ctx.dict_items(container)
+        if key not in items:
+            raise refuse(TraceRefusal.HOOK_RAISES, f"KeyError: {key!r}")
+        return items[key]
+    if isinstance(container, (ListV, TupleV)):
+        idx = ctx.specialize(index)
+        seq = ctx.sequence_items(container)
+        picked = python_op(operator.getitem, seq, idx)
+        if isinstance(idx, slice):
+            return (
+                TupleV(tuple(picked))
+                if isinstance(container, TupleV)
+                else ListV(None, None, items=picked)
+            )
+        assert isinstance(picked, Value)
+        return picked
+    if isinstance(container, (ConstV, LazyNum)):
+        return ConstV(
+            python_op(operator.getitem, ctx.specialize(container), python_value(ctx, index))
+        )
+    raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"subscript of a {container.py_type.__qualname__}")
+
+
+def set_item(ctx: TraceContext, container: Value, index: Value, value: Value) -> None:
+    if isinstance(container, TensorV):
+        ctx.call_torch(operator.setitem, [container, index, value], {})
+        return
+    if isinstance(container, ListV) and slot(container.py_type, "__setitem__") is list.__setitem__:
+        idx = ctx.specialize(index)
+        if not isinstance(idx, int):
+            raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, "slice assignment to a list")
+        items = ctx.list_items(container)
+        python_op(operator.setitem, items, idx, value)
+        ctx.effect(EffectOp.LIST_SETITEM, container, ConstV(idx), value)
+        return
+    if isinstance(container, DictV) and slot(container.py_type, "__setitem__") is dict.__setitem__:
+        key = ctx.specialize(index)
+        python_op(hash, key)
+        if container.items is None:
+            container.pending[key] = value
+        else:
+            container.items[key] = value
+        ctx.effect(EffectOp.DICT_SETITEM, container, ConstV(key), value)
+        return
+    raise refuse(
+        TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+        f"item assignment on a {container.py_type.__qualname__}",
+    )
+
+
+def del_item(ctx: TraceContext, container: Value, index: Value) -> None:
+    if isinstance(container, ListV) and slot(container.py_type, "__delitem__") is list.__delitem__:
+        idx = ctx.specialize(index)
+        if not isinstance(idx, int):
+            raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, "slice deletion from a list")
+        python_op(operator.delitem, ctx.list_items(container), idx)
+        ctx.effect(EffectOp.LIST_DELITEM, container, ConstV(idx))
+        return
+    if isinstance(container, DictV) and slot(container.py_type, "__delitem__") is dict.__delitem__:
+        key = ctx.specialize(index)
+        python_op(operator.delitem, ctx.dict_items(container), key)
+        ctx.effect(EffectOp.DICT_DELITEM, container, ConstV(key))
+        return
+    raise refuse(
+        TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"item deletion on a {container.py_type.__qualname__}"
+    )
+
+
+def unary(ctx: TraceContext, fn: Callable[[Any], Any], v: Value) -> Value:
+    if isinstance(v, TensorV):
+        return ctx.call_torch(fn, [v], {})
+    return ConstV(python_op(fn, ctx.specialize(v)))

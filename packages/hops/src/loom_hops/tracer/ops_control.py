@@ -1,0 +1,153 @@
+"""Handlers: branches, loops, returns, raise/assert and ``with torch.no_grad()``.
+
+Every branch is decided at trace time: its condition is a constant, or a value
+whose sources get guards; a branch on tensor data is refused. A ``raise`` that
+the trace reaches (including a failing ``assert``) refuses the hook, since the
+hook would raise for these inputs; the branches that avoid it are guarded.
+"""
+
+from __future__ import annotations
+
+import dis
+
+from .._pyversion import FOR_ITER_SKIPS_END_FOR, PY311, PY312
+from .containers import iterate
+from .frame import Frame, handles
+from .operators import is_same, truthy
+from .refusal import TraceRefusal, refuse
+from .values import ConstV, GradExitV, GradModeV, IteratorV, Value
+
+_NONE = ConstV(None)
+
+
+def _jump_if(frame: Frame, inst: dis.Instruction, condition: bool) -> None:
+    if condition:
+        frame.jump(inst.argval)
+
+
+@handles("JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT")
+def _jump(frame: Frame, inst: dis.Instruction) -> None:
+    frame.jump(inst.argval)
+
+
+@handles("POP_JUMP_IF_TRUE", when=PY312)
+@handles("POP_JUMP_FORWARD_IF_TRUE", "POP_JUMP_BACKWARD_IF_TRUE", when=PY311)
+def _pop_jump_if_true(frame: Frame, inst: dis.Instruction) -> None:
+    _jump_if(frame, inst, truthy(frame.ctx, frame.pop()))
+
+
+@handles("POP_JUMP_IF_FALSE", when=PY312)
+@handles("POP_JUMP_FORWARD_IF_FALSE", "POP_JUMP_BACKWARD_IF_FALSE", when=PY311)
+def _pop_jump_if_false(frame: Frame, inst: dis.Instruction) -> None:
+    _jump_if(frame, inst, not truthy(frame.ctx, frame.pop()))
+
+
+@handles("POP_JUMP_IF_NONE", when=PY312)
+@handles("POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_BACKWARD_IF_NONE", when=PY311)
+def _pop_jump_if_none(frame: Frame, inst: dis.Instruction) -> None:
+    _jump_if(frame, inst, is_same(frame.ctx, frame.pop(), _NONE))
+
+
+@handles("POP_JUMP_IF_NOT_NONE", when=PY312)
+@handles("POP_JUMP_FORWARD_IF_NOT_NONE", "POP_JUMP_BACKWARD_IF_NOT_NONE", when=PY311)
+def _pop_jump_if_not_none(frame: Frame, inst: dis.Instruction) -> None:
+    _jump_if(frame, inst, not is_same(frame.ctx, frame.pop(), _NONE))
+
+
+@handles("JUMP_IF_TRUE_OR_POP", when=PY311)
+def _jump_if_true_or_pop(frame: Frame, inst: dis.Instruction) -> None:
+    if truthy(frame.ctx, frame.stack[-1]):
+        frame.jump(inst.argval)
+    else:
+        frame.pop()
+
+
+@handles("JUMP_IF_FALSE_OR_POP", when=PY311)
+def _jump_if_false_or_pop(frame: Frame, inst: dis.Instruction) -> None:
+    if not truthy(frame.ctx, frame.stack[-1]):
+        frame.jump(inst.argval)
+    else:
+        frame.pop()
+
+
+@handles("GET_ITER")
+def _get_iter(frame: Frame, inst: dis.Instruction) -> None:
+    frame.push(iterate(frame.ctx, frame.pop()))
+
+
+@handles("FOR_ITER")
+def _for_iter(frame: Frame, inst: dis.Instruction) -> None:
+    it = frame.stack[-1]
+    assert isinstance(it, IteratorV)
+    if it.pos < len(it.items):
+        it.pos += 1
+        frame.push(it.items[it.pos - 1])
+        return
+    frame.pop()
+    frame.jump(inst.argval)
+    if FOR_ITER_SKIPS_END_FOR:
+        frame.ip += 1
+
+
+@handles("END_FOR", when=PY312)
+def _end_for(frame: Frame, inst: dis.Instruction) -> None:
+    frame.pop()
+    frame.pop()
+
+
+@handles("RETURN_VALUE")
+def _return_value(frame: Frame, inst: dis.Instruction) -> None:
+    frame.result = frame.pop()
+
+
+@handles("RETURN_CONST", when=PY312)
+def _return_const(frame: Frame, inst: dis.Instruction) -> None:
+    frame.result = ConstV(inst.argval)
+
+
+@handles("LOAD_ASSERTION_ERROR")
+def _load_assertion_error(frame: Frame, inst: dis.Instruction) -> None:
+    frame.push(ConstV(AssertionError))
+
+
+@handles("RAISE_VARARGS")
+def _raise_varargs(frame: Frame, inst: dis.Instruction) -> None:
+    values: list[Value] = frame.popn(inst.arg or 0)
+    what = "re-raise"
+    if values:
+        exc = values[0]
+        what = repr(exc.value) if isinstance(exc, ConstV) else f"a {exc.py_type.__qualname__}"
+    raise refuse(
+        TraceRefusal.HOOK_RAISES,
+        f"the hook raises {what} for these inputs",
+        "the trace only covers inputs for which the hook returns normally",
+    )
+
+
+@handles("BEFORE_WITH")
+def _before_with(frame: Frame, inst: dis.Instruction) -> None:
+    manager = frame.pop()
+    if not isinstance(manager, GradModeV):
+        raise refuse(
+            TraceRefusal.UNSUPPORTED_CALL,
+            f"with-statement over a {manager.py_type.__qualname__}",
+            "only `with torch.no_grad()` and `with torch.enable_grad()` are supported",
+        )
+    frame.push(GradExitV(frame.ctx.grad_enabled))
+    frame.ctx.grad_enabled = manager.enabled
+    frame.push(_NONE)
+
+
+@handles("RETURN_GENERATOR")
+def _return_generator(frame: Frame, inst: dis.Instruction) -> None:
+    if frame.yields is None:
+        raise refuse(TraceRefusal.UNSUPPORTED_CALL, "generators are not supported")
+    frame.push(_NONE)
+
+
+@handles("YIELD_VALUE")
+def _yield_value(frame: Frame, inst: dis.Instruction) -> None:
+    if frame.yields is None:
+        raise refuse(TraceRefusal.UNSUPPORTED_CALL, "generators are not supported")
+    frame.yields.append(frame.pop())
+    frame.push(_NONE)

@@ -1,0 +1,147 @@
+"""Handlers: locals, constants, globals, closure cells and attributes."""
+
+from __future__ import annotations
+
+import dis
+
+from .._pyversion import LOAD_ATTR_HAS_METHOD_BIT, PY311, PY312
+from .attributes import del_attr, get_attr, set_attr
+from .frame import Frame, handles
+from .refusal import TraceRefusal, refuse
+from .values import NULL, ConstV, SuperV, Value
+
+
+def _const(value: object) -> Value:
+    return ConstV(value)
+
+
+@handles("NOP", "RESUME", "EXTENDED_ARG", "MAKE_CELL", "COPY_FREE_VARS", "CACHE")
+def _nop(frame: Frame, inst: dis.Instruction) -> None:
+    """Cells are set up when the frame is created; these only matter to CPython."""
+
+
+@handles("PRECALL", when=PY311)
+def _precall(frame: Frame, inst: dis.Instruction) -> None:
+    """3.11 only: CALL does all the work."""
+
+
+@handles("LOAD_CONST")
+def _load_const(frame: Frame, inst: dis.Instruction) -> None:
+    frame.push(_const(inst.argval))
+
+
+@handles("LOAD_FAST_CHECK", when=PY312)
+def _load_fast_check(frame: Frame, inst: dis.Instruction) -> None:
+    _load_fast(frame, inst)
+
+
+@handles("LOAD_FAST")
+def _load_fast(frame: Frame, inst: dis.Instruction) -> None:
+    name = inst.argval
+    if name not in frame.locals:
+        raise refuse(
+            TraceRefusal.HOOK_RAISES,
+            f"UnboundLocalError: local {name!r} referenced before assignment",
+        )
+    frame.push(frame.locals[name])
+
+
+@handles("LOAD_FAST_AND_CLEAR", when=PY312)
+def _load_fast_and_clear(frame: Frame, inst: dis.Instruction) -> None:
+    frame.push(frame.locals.pop(inst.argval, NULL))
+
+
+@handles("STORE_FAST")
+def _store_fast(frame: Frame, inst: dis.Instruction) -> None:
+    value = frame.pop()
+    if value is NULL:
+        frame.locals.pop(inst.argval, None)
+    else:
+        frame.locals[inst.argval] = value
+
+
+@handles("DELETE_FAST")
+def _delete_fast(frame: Frame, inst: dis.Instruction) -> None:
+    frame.locals.pop(inst.argval, None)
+
+
+@handles("LOAD_GLOBAL")
+def _load_global(frame: Frame, inst: dis.Instruction) -> None:
+    assert inst.arg is not None
+    if inst.arg & 1:
+        frame.push(NULL)
+    frame.push(frame.ctx.load_global(frame.globals, inst.argval))
+
+
+@handles("STORE_GLOBAL")
+def _store_global(frame: Frame, inst: dis.Instruction) -> None:
+    frame.ctx.store_global(frame.globals, inst.argval, frame.pop())
+
+
+@handles("DELETE_GLOBAL")
+def _delete_global(frame: Frame, inst: dis.Instruction) -> None:
+    frame.ctx.load_global(frame.globals, inst.argval)
+    frame.ctx.store_global(frame.globals, inst.argval, None)
+
+
+@handles("LOAD_DEREF")
+def _load_deref(frame: Frame, inst: dis.Instruction) -> None:
+    frame.push(frame.ctx.load_cell(frame.cells[inst.argval]))
+
+
+@handles("STORE_DEREF")
+def _store_deref(frame: Frame, inst: dis.Instruction) -> None:
+    frame.ctx.store_cell(frame.cells[inst.argval], frame.pop())
+
+
+@handles("DELETE_DEREF")
+def _delete_deref(frame: Frame, inst: dis.Instruction) -> None:
+    raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"del of closure variable {inst.argval!r}")
+
+
+@handles("LOAD_CLOSURE")
+def _load_closure(frame: Frame, inst: dis.Instruction) -> None:
+    frame.push(frame.cells[inst.argval])
+
+
+@handles("LOAD_ATTR")
+def _load_attr(frame: Frame, inst: dis.Instruction) -> None:
+    assert inst.arg is not None
+    obj = frame.pop()
+    attr = get_attr(frame.ctx, obj, inst.argval, frame.depth)
+    if LOAD_ATTR_HAS_METHOD_BIT and inst.arg & 1:
+        frame.push(NULL)
+    frame.push(attr)
+
+
+@handles("LOAD_METHOD", when=PY311)
+def _load_method(frame: Frame, inst: dis.Instruction) -> None:
+    obj = frame.pop()
+    frame.push(NULL)
+    frame.push(get_attr(frame.ctx, obj, inst.argval, frame.depth))
+
+
+@handles("LOAD_SUPER_ATTR", when=PY312)
+def _load_super_attr(frame: Frame, inst: dis.Instruction) -> None:
+    assert inst.arg is not None
+    self_v = frame.pop()
+    cls_v = frame.pop()
+    frame.pop()  # the global `super`
+    if not isinstance(cls_v, ConstV) or not isinstance(cls_v.value, type):
+        raise refuse(TraceRefusal.UNSUPPORTED_CALL, "super() with an unknown class")
+    attr = get_attr(frame.ctx, SuperV(cls_v.value, self_v), inst.argval, frame.depth)
+    if inst.arg & 1:
+        frame.push(NULL)
+    frame.push(attr)
+
+
+@handles("STORE_ATTR")
+def _store_attr(frame: Frame, inst: dis.Instruction) -> None:
+    obj = frame.pop()
+    value = frame.pop()
+    set_attr(frame.ctx, obj, inst.argval, value)
+
+
+@handles("DELETE_ATTR")
+def _delete_attr(frame: Frame, inst: dis.Instruction) -> None:
+    del_attr(frame.ctx, frame.pop(), inst.argval)

@@ -1,0 +1,238 @@
+"""Symbolic values the tracer pushes on its stack.
+
+Each Python object a hook touches is modelled by one ``Value``: constants
+(immutable objects, callables, types, modules), numbers read from pre-existing
+state that stay symbolic until used (``LazyNum``), tensors (an FX node plus a
+fake tensor), containers, user objects, functions, cells and iterators. A
+pre-existing object has exactly one ``Value`` (keyed by identity in the
+tracer) and a ``source``; objects created while tracing have no source.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from .replay import Ref
+from .sources import Source
+
+
+class Value:
+    """Base class of symbolic values."""
+
+    source: Source | None = None
+
+    @property
+    def py_type(self) -> type:
+        raise NotImplementedError
+
+
+class NullValue(Value):
+    """The NULL that CPython pushes below a callable."""
+
+    @property
+    def py_type(self) -> type:
+        return type(None)
+
+
+NULL = NullValue()
+
+
+@dataclass(eq=False)
+class ConstV(Value):
+    """An immutable value known at trace time (or a callable, type or module held as is)."""
+
+    value: Any
+    source: Source | None = None
+
+    @property
+    def py_type(self) -> type:
+        return type(self.value)
+
+
+@dataclass(eq=False)
+class LazyNum(Value):
+    """An int/float computed from pre-existing state: guarded only when its value is used."""
+
+    value: int | float
+    ref: Ref
+    leaves: tuple[tuple[Source, object], ...]
+    source: Source | None = None
+
+    @property
+    def py_type(self) -> type:
+        return type(self.value)
+
+
+@dataclass(eq=False)
+class TensorV(Value):
+    """A tensor: its node in the torch-level graph and a fake tensor with its metadata."""
+
+    node: torch.fx.Node
+    fake: torch.Tensor
+    source: Source | None = None
+
+    @property
+    def py_type(self) -> type:
+        return torch.Tensor
+
+
+@dataclass(eq=False)
+class ObjectV(Value):
+    """A pre-existing instance of a user class; attribute writes are buffered in ``attrs``."""
+
+    obj: Any
+    source: Source | None = None
+    attrs: dict[str, Value] = field(default_factory=dict)
+    deleted: set[str] = field(default_factory=set)
+
+    @property
+    def py_type(self) -> type:
+        return type(self.obj)
+
+
+@dataclass(eq=False)
+class ListV(ObjectV):
+    """A list (or list subclass). ``items`` is None until the contents are first read."""
+
+    items: list[Value] | None = None
+    tail: list[Value] = field(default_factory=list)
+    cls: type = list
+
+    @property
+    def py_type(self) -> type:
+        return self.cls
+
+
+@dataclass(eq=False)
+class TupleV(Value):
+    """A tuple whose items are not all constants (or a namedtuple of them)."""
+
+    items: tuple[Value, ...]
+    source: Source | None = None
+    cls: type = tuple
+
+    @property
+    def py_type(self) -> type:
+        return self.cls
+
+
+@dataclass(eq=False)
+class DictV(ObjectV):
+    """A dict (or subclass) keyed by constants; ``items`` is None until first read."""
+
+    items: dict[Any, Value] | None = None
+    pending: dict[Any, Value] = field(default_factory=dict)
+    cls: type = dict
+
+    @property
+    def py_type(self) -> type:
+        return self.cls
+
+
+@dataclass(eq=False)
+class SetV(ObjectV):
+    """A set of constants; ``items`` is None until first read."""
+
+    items: set[Any] | None = None
+    cls: type = set
+
+    @property
+    def py_type(self) -> type:
+        return self.cls
+
+
+@dataclass(eq=False)
+class CellV(Value):
+    """A closure cell: pre-existing (``cell`` set, found by identity) or created while tracing."""
+
+    label: str
+    cell: types.CellType | None = None
+    contents: Value | None = None
+    loaded: bool = False
+    source: Source | None = None
+
+    @property
+    def py_type(self) -> type:
+        return types.CellType
+
+
+@dataclass(eq=False)
+class FunctionV(Value):
+    """A Python function: pre-existing (``fn``) or created by MAKE_FUNCTION while tracing."""
+
+    code: types.CodeType
+    globals: dict[str, Any]
+    name: str
+    closure: tuple[CellV, ...] = ()
+    defaults: tuple[Value, ...] = ()
+    kwdefaults: dict[str, Value] = field(default_factory=dict)
+    fn: types.FunctionType | None = None
+    source: Source | None = None
+
+    @property
+    def py_type(self) -> type:
+        return types.FunctionType
+
+
+@dataclass(eq=False)
+class MethodV(Value):
+    """``self_v.name`` bound; ``func`` is the attribute found on the class (if any)."""
+
+    self_v: Value
+    name: str
+    func: Any = None
+
+    @property
+    def py_type(self) -> type:
+        return types.MethodType
+
+
+@dataclass(eq=False)
+class SuperV(Value):
+    """``super()`` inside a method: attribute lookups start after ``cls`` in the MRO."""
+
+    cls: type
+    self_v: Value
+
+    @property
+    def py_type(self) -> type:
+        return super
+
+
+@dataclass(eq=False)
+class IteratorV(Value):
+    """An iterator over a snapshot of items (containers are not mutated while iterated)."""
+
+    items: list[Value]
+    pos: int = 0
+
+    @property
+    def py_type(self) -> type:
+        return type(iter(()))
+
+
+@dataclass(eq=False)
+class GradModeV(Value):
+    """``torch.no_grad()`` / ``torch.enable_grad()`` as a context manager."""
+
+    enabled: bool
+
+    @property
+    def py_type(self) -> type:
+        return torch.no_grad if not self.enabled else torch.enable_grad
+
+
+@dataclass(eq=False)
+class GradExitV(Value):
+    """The bound ``__exit__`` of a grad-mode context: restores ``previous``."""
+
+    previous: bool
+
+    @property
+    def py_type(self) -> type:
+        return types.MethodType
