@@ -77,30 +77,31 @@ class MemoryPool:
     def held(self, rec: PooledRecording) -> list[Watch]:
         return [w for w in rec.watch if self._use_count(w.cdata) != w.baseline]
 
-    def safe_to_replay(self, rec: PooledRecording) -> bool:
-        """Whether ``rec`` can replay without overwriting an output someone holds.
-
-        Retires every recording at or after ``rec`` whose outputs are held
-        (``rec`` included); returns ``False`` when ``rec`` itself was retired or
-        an orphan it could overwrite is still alive.
-        """
+    def blocked(self, rec: PooledRecording) -> bool:
+        """Whether replaying ``rec`` could overwrite an output someone still holds:
+        its own, one of a recording captured after it, or an orphan as recent."""
         if self.orphans:
             self.orphans = [
                 o for o in self.orphans if self._use_count(o.watch.cdata) != o.watch.baseline
             ]
-        unsafe = any(o.order >= rec.order for o in self.orphans)
+            if any(o.order >= rec.order for o in self.orphans):
+                return True
         recs = self.recordings
-        start = recs.index(rec)
-        for q in recs[start:]:
-            if not q.watch:
-                continue
+        for q in recs[recs.index(rec) :] if rec in recs else (rec,):
+            for w in q.watch:
+                if self._use_count(w.cdata) != w.baseline:
+                    return True
+        return False
+
+    def release(self, rec: PooledRecording) -> None:
+        """Retire ``rec`` and every later recording whose outputs are held; their
+        held storages become orphans that block older recordings until they die."""
+        recs = self.recordings
+        later = recs[recs.index(rec) :] if rec in recs else [rec]
+        for q in later:
             held = self.held(q)
-            if held:
+            if held or q is rec:
                 self.retire(q, held)
-                unsafe = True
-        if unsafe and rec in self.recordings:
-            self.retire(rec, self.held(rec))
-        return not unsafe
 
     def retire(self, rec: PooledRecording, held: list[Watch]) -> None:
         """Drop ``rec`` from the pool; its ``held`` storages become orphans."""

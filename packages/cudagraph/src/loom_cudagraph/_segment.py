@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +45,10 @@ _managed: dict[int, int] = {}
 def is_managed(t: torch.Tensor) -> bool:
     """Whether ``t`` lives in memory a loom CUDA graph writes (an output of a recording)."""
     return storage_id(t) in _managed
+
+
+def _forget(cdatas: list[int]) -> None:
+    _manage(cdatas, -1)
 
 
 def _manage(cdatas: Sequence[int], delta: int) -> None:
@@ -88,6 +93,7 @@ class SegmentStats:
 
 class _Recording:
     __slots__ = (
+        "__weakref__",
         "alias_idx",
         "bufs",
         "clone_idx",
@@ -132,13 +138,23 @@ class _Recording:
 class _Table:
     """The recordings of one segment for one input-shape key."""
 
-    __slots__ = ("copy_out", "exhausted", "last", "made", "recordings", "retires", "warmed")
+    __slots__ = (
+        "buffers",
+        "copy_out",
+        "exhausted",
+        "last",
+        "made",
+        "recordings",
+        "retires",
+        "warmed",
+    )
 
     def __init__(self) -> None:
         self.recordings: list[_Recording] = []
         self.last: _Recording | None = None
         self.copy_out: set[int] = set()
         self.made = 0
+        self.buffers = 0
         self.retires = 0
         self.warmed = False
         self.exhausted = False
@@ -158,6 +174,7 @@ class _Table:
             self.last = None
         self.retires += 1
         _manage(rec.managed, -1)
+        rec.managed.clear()
 
 
 class CapturedSegment:
@@ -203,13 +220,29 @@ class CapturedSegment:
             rec = table.find(inputs) or self._record(table, inputs)
             if rec is None:
                 return self._uncaptured(inputs)
-            table.last = rec
-        if not rec.pool.safe_to_replay(rec):
-            rec = self._record(table, inputs)
+        if rec.pool.blocked(rec):
+            rec = self._unblocked(table, rec, inputs)
             if rec is None:
                 return self._uncaptured(inputs)
-            table.last = rec
+        table.last = rec
         return self._replay(rec, inputs)
+
+    def _unblocked(self, table: _Table, rec: _Recording, inputs: list[Any]) -> _Recording | None:
+        """A recording for these addresses whose outputs are free: a sibling, a new
+        second buffer, or (both busy) a fresh one that copies held outputs out."""
+        siblings = [
+            r
+            for r in table.recordings
+            if r is not rec and tensors_data_ptrs_equal(inputs, r.ptrs, r.inplace_idx)
+        ]
+        for r in siblings:
+            if not r.pool.blocked(r):
+                return r
+        if not siblings:
+            return self._record(table, inputs, alternate=True)
+        for r in (rec, *siblings):
+            r.pool.release(r)
+        return self._record(table, inputs, alternate=True)
 
     def _replay(self, rec: _Recording, inputs: list[Any]) -> list[Any]:
         if rec.copy_idx:
@@ -255,14 +288,22 @@ class CapturedSegment:
         # numbers as uncaptured compiled code would), so its result is returned.
         return self._uncaptured(inputs)
 
-    def _record(self, table: _Table, inputs: list[Any]) -> _Recording | None:
+    def _record(
+        self, table: _Table, inputs: list[Any], alternate: bool = False
+    ) -> _Recording | None:
         opts = self.spec.options
-        if table.made >= max(1, opts.max_recording) or table.retires > opts.max_recording:
+        limit = max(1, opts.max_recording)
+        if (not alternate and table.made >= limit) or table.retires > limit:
             if not table.exhausted:
                 table.exhausted = True
                 self._warn_budget(table, inputs)
             return None
-        first = table.made == 0 and len(self._tables) == 1 and self.shared_pool is not None
+        first = (
+            table.made == 0
+            and not alternate
+            and len(self._tables) == 1
+            and self.shared_pool is not None
+        )
         pool = (
             self.shared_pool
             if first and self.shared_pool is not None
@@ -310,7 +351,8 @@ class CapturedSegment:
             return None
         del cap_inputs
         self.pool_bytes += self.capturer.pool_bytes(before)
-        table.made += 1
+        table.made += 0 if alternate else 1
+        table.buffers += 1
         self._finish(rec, inputs)
         pool.add(rec)
         table.recordings.append(rec)
@@ -341,6 +383,9 @@ class CapturedSegment:
         ]
         rec.managed = list(groups)
         _manage(rec.managed, +1)
+        # NOTE: a dead recording's storages may be reused at the same address;
+        # forget them as managed when the recording goes.
+        weakref.finalize(rec, _forget, rec.managed)
 
     def _warn_budget(self, table: _Table, inputs: list[Any]) -> None:
         last = table.last or (table.recordings[-1] if table.recordings else None)
@@ -382,7 +427,7 @@ class CapturedSegment:
     # --- report ----------------------------------------------------------------------------
 
     def stats(self) -> SegmentStats:
-        made = sum(t.made for t in self._tables.values())
+        made = sum(t.buffers for t in self._tables.values())
         copied = sorted(
             set().union(*(t.copy_out for t in self._tables.values())) if self._tables else ()
         )

@@ -1,0 +1,366 @@
+"""The runtime on the host: HostCapturer replays by overwriting the recorded
+outputs in place, as a CUDA graph does, so every rule about addresses,
+budgets, held outputs and mutation is checked against eager without a GPU."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from _cg_helpers import trace_real
+
+from loom_cudagraph import (
+    CudagraphError,
+    CudagraphOptions,
+    CudagraphRuntime,
+    HostCapturer,
+    MemoryPool,
+    SkipReason,
+    build_runtime,
+    mark_non_capturable,
+    plan_graph,
+    skip_counts,
+    unmark_non_capturable,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def sin_is_host_op() -> Iterator[None]:
+    """aten.sin stands in for a host op: segments around it are captured."""
+    mark_non_capturable(torch.ops.aten.sin, "stands in for a host op")
+    yield
+    unmark_non_capturable(torch.ops.aten.sin)
+
+
+def compile_host(
+    fn: Callable[..., Any],
+    *inputs: torch.Tensor,
+    static: tuple[int, ...] = (),
+    capturer: HostCapturer | None = None,
+    pool: MemoryPool | None = None,
+    dynamic: bool = False,
+    **options: Any,
+) -> tuple[CudagraphRuntime, HostCapturer]:
+    gm = trace_real(fn, *inputs)
+    plan = plan_graph(gm, inputs, static, CudagraphOptions(**options), name="t", device=CPU)
+    if dynamic:
+        import dataclasses
+
+        plan = dataclasses.replace(plan, dynamic=True)
+    capturer = capturer or HostCapturer()
+    return build_runtime(plan, gm, example_inputs=inputs, capturer=capturer, pool=pool), capturer
+
+
+def call(run: CudagraphRuntime, *args: torch.Tensor) -> list[Any]:
+    return run(list(args))
+
+
+def test_replays_match_eager_and_capture_once() -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).relu() + 1
+
+    w = torch.randn(4, 4)
+    run, cap = compile_host(f, torch.randn(2, 4), w, static=(1,))
+    for _ in range(6):
+        x = torch.randn(2, 4)
+        (out,) = call(run, x, w)
+        torch.testing.assert_close(out, f(x, w))
+    # ``out`` still holds the previous output while the next call runs, so the
+    # segment double-buffers: two recordings used in turn, no copies.
+    assert cap.captures == 2
+    assert cap.replays == 5  # call 1 is the warm-up
+    (seg,) = run.stats().segments
+    assert seg.captured and seg.recordings == 2 and seg.uncaptured_calls == 1
+    assert seg.copied_out == ()
+
+
+def test_host_op_in_the_middle_keeps_captured_segments_around_it(sin_is_host_op: None) -> None:
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a = x * 2 + y
+        b = a.sin()
+        return b * y + a
+
+    run, cap = compile_host(f, torch.randn(3), torch.randn(3))
+    for _ in range(4):
+        x, y = torch.randn(3), torch.randn(3)
+        torch.testing.assert_close(call(run, x, y)[0], f(x, y))
+    stats = run.stats()
+    assert [s.captured for s in stats.segments] == [True, False, True]
+    assert cap.captures == 2
+    assert stats.segments[1].reasons[0].kind is SkipReason.USER_MARKED
+
+
+def test_passthrough_input_is_copied_once(sin_is_host_op: None) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        a = (x + 1).sin()
+        return x * a
+
+    run, _ = compile_host(f, torch.randn(3))
+    assert run.plan.segments[0].passthrough == ("x_1",)
+    for _ in range(4):
+        x = torch.randn(3)
+        torch.testing.assert_close(call(run, x)[0], f(x))
+    last = run._steps[2][0]
+    rec = last._tables[None].last  # type: ignore[attr-defined]
+    # the passthrough copy is a loom-managed input: used in place; the host
+    # op's result is copied
+    assert rec.inplace_idx == [0] and rec.copy_idx == [1]
+
+
+def test_parameter_replaced_every_call_records_again_then_falls_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w + 1
+
+    run, cap = compile_host(f, torch.randn(3), torch.randn(3), static=(1,), max_recording=3)
+    with caplog.at_level(logging.WARNING, logger="torchloom.cudagraph"):
+        for _ in range(8):
+            x, w = torch.randn(3), torch.randn(3)  # a new parameter tensor every call
+            (out,) = call(run, x, w)
+            torch.testing.assert_close(out, f(x, w))
+    assert cap.captures == 3
+    (seg,) = run.stats().segments
+    assert seg.recordings == 3
+    warnings = [r.getMessage() for r in caplog.records if "rerecord_budget" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "static input w_1 changed its data pointer from 0x" in warnings[0]
+    assert skip_counts() == {SkipReason.RERECORD_BUDGET: 1}
+
+
+def test_parameters_alternating_between_two_addresses_dispatch_by_address() -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    w1, w2 = torch.randn(3), torch.randn(3)
+    run, cap = compile_host(f, torch.randn(3), w1, static=(1,))
+    for i in range(10):
+        w = w1 if i % 2 else w2
+        x = torch.randn(3)
+        (out,) = call(run, x, w)
+        torch.testing.assert_close(out, f(x, w))
+    assert cap.captures == 2
+    assert run.stats().segments[0].uncaptured_calls == 1
+
+
+def test_outputs_kept_across_many_calls_stay_correct() -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x + 1, x * 2
+
+    run, _ = compile_host(f, torch.randn(3))
+    kept, expected = [], []
+    for _ in range(12):
+        x = torch.randn(3)
+        kept.append(call(run, x))
+        expected.append(f(x))
+    for got, want in zip(kept, expected, strict=True):
+        torch.testing.assert_close(got, list(want))
+
+
+def test_no_copy_out_while_nothing_is_held() -> None:
+    run, cap = compile_host(lambda x: x.exp() + 1, torch.randn(3))
+    for _ in range(10):
+        x = torch.randn(3)
+        torch.testing.assert_close(call(run, x)[0], x.exp() + 1)
+    (seg,) = run.stats().segments
+    assert seg.copied_out == () and seg.recordings == 1 and cap.replays == 9
+
+
+def test_outputs_held_by_both_buffers_are_copied_out_from_then_on() -> None:
+    run, cap = compile_host(lambda x: (x.exp(), x + 1), torch.randn(3))
+    kept = []
+    for _ in range(10):
+        x = torch.randn(3)
+        outs = call(run, x)
+        kept.append((x, outs[0]))  # every first output is kept; the second is dropped
+        torch.testing.assert_close(outs[1], x + 1)
+        del outs
+    for x, exp in kept:
+        torch.testing.assert_close(exp, x.exp())
+    (seg,) = run.stats().segments
+    assert seg.copied_out == (0,)
+    assert seg.recordings == 3  # two buffers retired while held, then one that copies out
+    assert cap.replays == 9
+
+
+def test_view_of_an_output_counts_as_held() -> None:
+    run, _ = compile_host(lambda x: x * 3, torch.randn(4))
+    views, expected = [], []
+    for _ in range(5):
+        x = torch.randn(4)
+        views.append(call(run, x)[0][1:])
+        expected.append((x * 3)[1:])
+    for v, e in zip(views, expected, strict=True):
+        torch.testing.assert_close(v, e)
+
+
+def test_mutated_user_input_is_copied_back() -> None:
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x.add_(y)
+        return x * 2
+
+    run, _ = compile_host(f, torch.randn(3), torch.randn(3))
+    for _ in range(5):
+        x, y = torch.randn(3), torch.randn(3)
+        x_eager = x.clone()
+        want = f(x_eager, y)
+        (out,) = call(run, x, y)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(x, x_eager)
+
+
+def test_mutated_parameter_is_updated_in_place() -> None:
+    def f(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        buf.mul_(0.5).add_(x)
+        return buf + 0
+
+    buf = torch.zeros(3)
+    buf_eager = torch.zeros(3)
+    run, _ = compile_host(f, torch.randn(3), torch.zeros(3), static=(1,))
+    for _ in range(6):
+        x = torch.randn(3)
+        want = f(x, buf_eager)
+        (out,) = call(run, x, buf)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(buf, buf_eager)
+
+
+def test_one_recording_per_shape_then_uncaptured_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    run, cap = compile_host(lambda x: x + 1, torch.randn(2), dynamic=True, max_shapes=2)
+    with caplog.at_level(logging.WARNING, logger="torchloom.cudagraph"):
+        for n in (2, 3, 2, 3, 4, 4, 5, 2, 3):
+            x = torch.randn(n)
+            torch.testing.assert_close(call(run, x)[0], x + 1)
+    assert cap.captures == 2
+    (seg,) = run.stats().segments
+    assert seg.shapes == 2
+    assert sum("dynamic_shape_budget" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_two_functions_sharing_a_pool_interleave_correctly() -> None:
+    pool = MemoryPool(object())
+    cap = HostCapturer()
+    f_run, _ = compile_host(lambda x: x * 2, torch.randn(3), capturer=cap, pool=pool)
+    g_run, _ = compile_host(lambda x: x - 1, torch.randn(3), capturer=cap, pool=pool)
+    kept = []
+    for _ in range(6):
+        x = torch.randn(3)
+        a = call(f_run, x)[0]
+        b = call(g_run, a)[0]
+        kept.append((x, a, b))
+    for x, a, b in kept:
+        torch.testing.assert_close(a, x * 2)
+        torch.testing.assert_close(b, x * 2 - 1)
+
+
+class _FailingCapturer(HostCapturer):
+    def capture(self, fn: Any, inputs: list[Any], pool: Any) -> tuple[Any, list[Any]]:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_capture_failure_runs_uncaptured_and_is_counted(caplog: pytest.LogCaptureFixture) -> None:
+    run, _ = compile_host(lambda x: x + 1, torch.randn(3), capturer=_FailingCapturer())
+    with caplog.at_level(logging.WARNING, logger="torchloom.cudagraph"):
+        for _ in range(4):
+            x = torch.randn(3)
+            torch.testing.assert_close(call(run, x)[0], x + 1)
+    (seg,) = run.stats().segments
+    assert not seg.captured and seg.reasons[0].kind is SkipReason.CAPTURE_FAILED
+    assert "operation not permitted" in seg.reasons[0].explanation
+    assert skip_counts() == {SkipReason.CAPTURE_FAILED: 1}
+
+
+def test_or_error_raises_at_runtime_for_an_exhausted_budget() -> None:
+    run, _ = compile_host(
+        lambda x, w: x * w,
+        torch.randn(3),
+        torch.randn(3),
+        static=(1,),
+        max_recording=1,
+        or_error=True,
+    )
+    call(run, torch.randn(3), torch.randn(3))  # warm-up
+    w = torch.randn(3)
+    call(run, torch.randn(3), w)  # records
+    with pytest.raises(CudagraphError, match=r"rerecord_budget.*w_1"):
+        call(run, torch.randn(3), torch.randn(3))
+
+
+def test_or_error_raises_at_build_naming_op_reason_and_line() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x + 1).sin()
+
+    gm = trace_real(f, torch.randn(3))
+    sin = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.sin.default)
+    sin.meta["stack_trace"] = '  File "/user/model.py", line 7, in forward\n    return h.sin()\n'
+    mark_non_capturable(torch.ops.aten.sin, "stands in for a host op")
+    try:
+        plan = plan_graph(gm, [torch.randn(3)], (), CudagraphOptions(or_error=True), device=CPU)
+    finally:
+        unmark_non_capturable(torch.ops.aten.sin)
+    with pytest.raises(CudagraphError) as info:
+        build_runtime(plan, gm, capturer=HostCapturer())
+    message = str(info.value)
+    assert "aten.sin.default" in message
+    assert "[user_marked]" in message
+    assert "/user/model.py:7 in forward: return h.sin()" in message
+
+
+def test_plan_skips_are_logged_once_and_counted(
+    sin_is_host_op: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="torchloom.cudagraph"):
+        compile_host(lambda x: (x + 1).sin() + 1, torch.randn(3))
+        compile_host(lambda x: (x + 1).sin() + 1, torch.randn(3))
+    assert skip_counts() == {SkipReason.USER_MARKED: 2}
+    assert sum("user_marked" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_inputs_are_freed_from_the_boxed_list() -> None:
+    run, _ = compile_host(lambda x: x + 1, torch.randn(3))
+    args = [torch.randn(3)]
+    run(args)
+    assert args == []
+
+
+class _Rec:
+    def __init__(self) -> None:
+        self.order = -1
+        self.watch: list[Any] = []
+        self.retired_with: list[Any] | None = None
+
+    def retire(self, held: list[Any]) -> None:
+        self.retired_with = held
+
+
+def test_pool_retires_a_later_recording_whose_outputs_are_held() -> None:
+    from loom_cudagraph._pool import Watch
+
+    counts = {1: 1, 2: 1}
+    pool = MemoryPool(object(), use_count=counts.__getitem__)
+    first, second = _Rec(), _Rec()
+    first.watch = [Watch(1, 1, (0,), ())]
+    second.watch = [Watch(2, 1, (0,), ())]
+    pool.add(first)
+    pool.add(second)
+    assert not pool.blocked(first) and not pool.blocked(second)
+    counts[2] = 2  # someone holds the second recording's output
+    assert pool.blocked(first) and pool.blocked(second)
+    pool.release(first)
+    assert second.retired_with is not None and first.retired_with == []
+    assert pool.recordings == []
+    third = _Rec()
+    pool.add(third)
+    assert pool.blocked(third) is False  # captured after the orphan: cannot overwrite it
+    older = _Rec()
+    older.order = 0
+    assert pool.blocked(older)  # captured before it: could
+    counts[2] = 1  # released: the orphan is dropped
+    assert not pool.blocked(older) and pool.orphans == []
