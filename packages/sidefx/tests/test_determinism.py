@@ -19,7 +19,9 @@ se.list_append(log, d)
 se.set_add(se.track_existing(g["seen"], GlobalSource("seen")), "c")
 r = se.track_new(ObjKind.OBJECT, cls=Rec)
 se.store_attr(se.track_existing(g["rec"], GlobalSource("rec")), "child", r)
-print(se.build().describe())
+plan = se.build()
+print(plan.describe())
+print(plan.program_text())
 print(compile_guards([constant_guard(GlobalSource("rec"), g["rec"]), Guard(GuardKind.LENGTH, GlobalSource("log"), 0)]).__doc__)
 """
 

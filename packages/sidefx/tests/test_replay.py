@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -556,3 +558,78 @@ def test_a_store_into_another_modules_globals_goes_through_an_object_source() ->
     ]
     plan.apply(Roots((), {}))
     assert other == {"registry": {"k": 1}, "enabled": True}
+
+
+def test_every_op_kind_replays_like_cpython() -> None:
+    """One hook touching every op kind: the plan covers OpKind and matches CPython."""
+
+    def make() -> dict[str, Any]:
+        obj = Stats()
+        obj.old = 1  # type: ignore[attr-defined]
+        return {
+            "obj": obj,
+            "xs": CountingList([1, 2, 3, 4]),
+            "d": CountingDict({"a": 1, (1, 2): 2, 2.5: 3}),
+            "s": {1, 2},
+            "cell": types.CellType(0),
+            "gone": 1,
+        }
+
+    def real(g: dict[str, Any]) -> Any:
+        g["obj"].new = math.nan
+        del g["obj"].old
+        xs = g["xs"]
+        list.append(xs, "a")
+        list.extend(xs, ["b", "c"])
+        xs[0] = "z"
+        del xs[1]
+        xs.insert(-1, "i")
+        xs.pop(0)
+        xs.reverse()
+        d = g["d"]
+        dict.__setitem__(d, (1, 2), "tuple")
+        del d[2.5]
+        g["s"].add(3)
+        g["s"].discard(1)
+        g["cell"].cell_contents = g["cell"].cell_contents + 5
+        g["flag"] = min(g["gone"], 0)
+        del g["gone"]
+        snapshot = list(xs)
+        xs.clear()
+        d.clear()
+        g["s"].clear()
+        del g["cell"].cell_contents
+        return snapshot
+
+    def trace(se: SideEffects, g: dict[str, Any]) -> tuple[Any, ...]:
+        obj = G(se, g, "obj")
+        se.store_attr(obj, "new", math.nan)
+        se.del_attr(obj, "old")
+        xs = G(se, g, "xs")
+        se.list_append(xs, "a")
+        se.list_extend(xs, ["b", "c"])
+        se.list_setitem(xs, 0, "z")
+        se.list_delitem(xs, 1)
+        se.list_insert(xs, -1, "i")
+        se.list_pop(xs, 0)
+        se.list_reverse(xs)
+        d = G(se, g, "d")
+        se.dict_setitem(d, (1, 2), "tuple")
+        se.dict_delitem(d, 2.5)
+        s = G(se, g, "s")
+        se.set_add(s, 3)
+        se.set_discard(s, 1)
+        cell = G(se, g, "cell")
+        se.store_cell(cell, Computed("+", se.load_cell(cell), 5))
+        se.store_global("flag", Computed("min", Original(GlobalSource("gone")), 0))
+        se.del_global("gone")
+        snapshot = se.track_new(ObjKind.LIST, se.list_items(xs))
+        se.list_clear(xs)
+        se.dict_clear(d)
+        se.set_clear(s)
+        se.del_cell(cell)
+        return (snapshot,)
+
+    plan = differential(make, real, trace)
+    assert {op.kind for op in plan.ops} == set(OpKind)
+    assert "0x" not in plan.program_text()

@@ -13,23 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import keyword
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from ._codegen import Emitter
 from ._ops import describe_type
-from ._sources import (
-    ArgSource,
-    AttrSource,
-    CellContentsSource,
-    ClosureSource,
-    FunctionClosureSource,
-    GlobalSource,
-    ItemSource,
-    ObjectSource,
-    Roots,
-    Source,
-)
+from ._sources import AttrSource, GlobalSource, ItemSource, Roots, Source
 from ._values import is_constant
 
 __all__ = ["Guard", "GuardKind", "GuardPredicate", "compile_guards", "constant_guard"]
@@ -155,96 +144,57 @@ def compile_guards(guards: Sequence[Guard]) -> Callable[[Roots], bool]:
     """Compile guards into one function ``check(roots) -> bool``.
 
     Each distinct source path is evaluated once; the checks run in order and
-    stop at the first failure. Build it once per trace, call it per call.
+    stop at the first failure; any exception means False. Build it once per
+    trace, call it per call. ``check.__doc__`` lists the guards' text.
     """
-    ns: dict[str, Any] = {"_same": _same_constant}
-    lines: list[str] = []
-    names: dict[Source, str] = {}
-
-    def const(value: Any) -> str:
-        name = f"_k{len(ns)}"
-        ns[name] = value
-        return name
-
-    def expr(src: Source) -> str:
-        if src in names:
-            return names[src]
-        if isinstance(src, ArgSource):
-            text = f"a[{src.index}]"
-        elif isinstance(src, GlobalSource):
-            text = f"g[{const(src.name)}]"
-        elif isinstance(src, ClosureSource):
-            text = f"c[{src.index}]"
-        elif isinstance(src, ObjectSource):
-            text = const(src.obj)
-        elif isinstance(src, AttrSource):
-            base = expr(src.base)
-            ok = src.name.isidentifier() and not keyword.iskeyword(src.name)
-            ok = ok and not src.name.startswith("__")
-            text = f"{base}.{src.name}" if ok else f"getattr({base}, {const(src.name)})"
-        elif isinstance(src, ItemSource):
-            text = f"{expr(src.base)}[{const(src.key)}]"
-        elif isinstance(src, CellContentsSource):
-            text = f"{expr(src.base)}.cell_contents"
-        elif isinstance(src, FunctionClosureSource):
-            text = f"{expr(src.base)}.__closure__[{src.index}]"
-        else:
-            raise TypeError(f"cannot compile a guard on {type(src).__qualname__}")
-        name = f"s{len(names)}"
-        lines.append(f"        {name} = {text}")
-        names[src] = name
-        return name
-
+    em = Emitter("        ")
+    em.namespace["_same"] = _same_constant
     for guard in dict.fromkeys(guards):
         if guard.kind is GuardKind.ABSENT:
-            lines.append(
-                f"        if not ({_absent(guard.source, expr, const)}):\n            return False"
-            )
+            em.emit(f"if not ({_absent(guard.source, em)}):")
+            em.emit("    return False")
             continue
-        v = expr(guard.source)
+        v = em.source(guard.source)
+        e = guard.expected
         if guard.kind is GuardKind.SAME_AS:
-            cond = f"{v} is {expr(guard.expected)}"
+            cond = f"{v} is {em.source(e)}"
         elif guard.kind is GuardKind.DICT_KEYS:
-            cond = f"tuple({v}) == {const(guard.expected)}"
+            cond = f"tuple({v}) == {em.const(e)}"
         elif guard.kind is GuardKind.PREDICATE:
-            cond = f"{const(guard.expected)}({v})"
+            cond = f"{em.const(e)}({v})"
         elif guard.kind is GuardKind.IDENTITY:
-            cond = f"{v} is {const(guard.expected)}"
+            cond = f"{v} is {em.const(e)}"
         elif guard.kind is GuardKind.TYPE:
-            cond = f"type({v}) is {const(guard.expected)}"
+            cond = f"type({v}) is {em.const(e)}"
         elif guard.kind is GuardKind.LENGTH:
-            cond = f"len({v}) == {guard.expected}"
+            cond = f"len({v}) == {e}"
+        elif e is None or type(e) is bool:
+            cond = f"{v} is {e!r}"
+        elif type(e) in (int, str, bytes):
+            cond = f"type({v}) is {em.const(type(e))} and {v} == {em.const(e)}"
         else:
-            e = guard.expected
-            if e is None or type(e) is bool:
-                cond = f"{v} is {e!r}"
-            elif type(e) in (int, str, bytes):
-                cond = f"type({v}) is {const(type(e))} and {v} == {const(e)}"
-            else:
-                cond = f"_same({v}, {const(e)})"
-        lines.append(f"        if not ({cond}):\n            return False")
-    body = "\n".join(lines) if lines else "        pass"
-    source = (
-        "def check(roots):\n"
-        "    a = roots.args\n"
-        "    g = roots.globals\n"
-        "    c = roots.closure\n"
-        "    try:\n"
-        f"{body}\n"
-        "    except Exception:\n"
-        "        return False\n"
-        "    return True\n"
-    )
-    exec(compile(source, "<loom guards>", "exec"), ns)
-    check: Callable[[Roots], bool] = ns["check"]
+            cond = f"_same({v}, {em.const(e)})"
+        em.emit(f"if not ({cond}):")
+        em.emit("    return False")
+    if not em.lines:
+        em.emit("pass")
+    header = [
+        "def check(roots):",
+        "    a = roots.args",
+        "    g = roots.globals",
+        "    c = roots.closure",
+        "    try:",
+    ]
+    footer = ["    except Exception:", "        return False", "    return True"]
+    check: Callable[[Roots], bool] = em.function("check", header, footer, "<loom guards>")
     check.__doc__ = "\n".join(g.describe() for g in guards)
     return check
 
 
-def _absent(src: Source, expr: Callable[[Source], str], const: Callable[[Any], str]) -> str:
+def _absent(src: Source, em: Emitter) -> str:
     if isinstance(src, GlobalSource):
-        return f"{const(src.name)} not in g"
+        return f"{em.const(src.name)} not in g"
     if isinstance(src, ItemSource):
-        return f"{const(src.key)} not in {expr(src.base)}"
+        return f"{em.const(src.key)} not in {em.source(src.base)}"
     assert isinstance(src, AttrSource)
-    return f"not hasattr({expr(src.base)}, {const(src.name)})"
+    return f"not hasattr({em.source(src.base)}, {em.const(src.name)})"

@@ -7,7 +7,7 @@ pre-existing object through its source (all before any mutation, so a source
 always sees the state the trace saw), allocate new objects, fill them, then
 apply the ops in order through the base type's methods (``list.append(obj, v)``,
 ``dict.__setitem__(obj, k, v)``) so an overridden method never runs twice. The
-phases are compiled into closures once, on the first apply.
+phases are generated as one straight-line Python function on the first apply.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._codegen import Emitter
 from ._ops import (
     KEYED_OPS,
     OP_ARITY,
@@ -33,7 +34,6 @@ from ._sources import Roots, Source
 from ._values import (
     COMPUTE_OPS,
     Computed,
-    Missing,
     MutationType,
     ObjKind,
     Original,
@@ -45,10 +45,6 @@ from ._values import (
 
 __all__ = ["PlanCheckError", "ReplayPlan", "checks_enabled"]
 
-Env = list[Any]
-ValueFn = Callable[[Env, Sequence[Any]], Any]
-OpFn = Callable[[Env, Sequence[Any], Roots], None]
-
 
 def checks_enabled() -> bool:
     """Whether verifiers run on every build (``TORCHLOOM_CHECKS=1``, set by the test sessions)."""
@@ -59,14 +55,7 @@ class PlanCheckError(ValueError):
     """A replay plan failed :meth:`ReplayPlan.check`; the message lists every problem."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Program:
-    fetch: tuple[Callable[[Roots], Any], ...]
-    make: tuple[Callable[[], Any], ...]
-    make_functions: tuple[tuple[int, Callable[[Env, Sequence[Any], Roots], Any]], ...]
-    fill: tuple[OpFn, ...]
-    ops: tuple[OpFn, ...]
-    results: tuple[ValueFn, ...]
+_Program = tuple[Callable[[Roots, Sequence[Any]], tuple[Any, ...]], str]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,15 +96,15 @@ class ReplayPlan:
         if prog is None:
             prog = _compile(self)
             object.__setattr__(self, "_program", prog)
-        env: Env = [get(roots) for get in prog.fetch]
-        env.extend([make() for make in prog.make])
-        for slot, make_fn in prog.make_functions:
-            env[slot] = make_fn(env, tensor_outputs, roots)
-        for fill in prog.fill:
-            fill(env, tensor_outputs, roots)
-        for op in prog.ops:
-            op(env, tensor_outputs, roots)
-        return tuple([r(env, tensor_outputs) for r in prog.results])
+        return prog[0](roots, tensor_outputs)
+
+    def program_text(self) -> str:
+        """The generated Python source of :meth:`apply` (for debugging and reports)."""
+        prog = self._program
+        if prog is None:
+            prog = _compile(self)
+            object.__setattr__(self, "_program", prog)
+        return prog[1]
 
     # --------------------------------------------------------------- describe
     def names(self) -> dict[Ref, str]:
@@ -373,136 +362,9 @@ def _describe_op(op: Op, names: dict[Ref, str]) -> str:
 
 
 # --------------------------------------------------------------------- compile
-def _compile(plan: ReplayPlan) -> _Program:
-    slots: dict[Any, int] = {}
-    fetch: list[Callable[[Roots], Any]] = []
-    for p in plan.preexisting:
-        slots[p.ref] = len(fetch)
-        fetch.append(p.source.compile())
-
-    def originals(v: Value) -> None:
-        if isinstance(v, Original) and v.source is not None and v.source not in slots:
-            slots[v.source] = len(fetch)
-            fetch.append(v.source.compile())
-
-    for v in plan._values():
-        _walk(v, originals)
-    make: list[Callable[[], Any]] = []
-    functions: list[NewObject] = []
-    for n in plan.new_objects:
-        slots[n.ref] = len(fetch) + len(make)
-        if n.function is not None:
-            functions.append(n)
-            make.append(_none)
-        else:
-            make.append(_allocator(n))
-
-    def value_fn(v: Value) -> ValueFn:
-        return _value_fn(v, slots)
-
-    make_functions = tuple((slots[n.ref], _function_maker(n, slots)) for n in functions)
-    fill = tuple(f for n in plan.new_objects for f in _fillers(n, value_fn, slots))
-    ops = tuple(_op_fn(op, value_fn, slots) for op in plan.ops)
-    results = tuple(value_fn(v) for v in plan.results)
-    return _Program(tuple(fetch), tuple(make), make_functions, fill, ops, results)
-
-
-def _none() -> None:
-    return None
-
-
-def _allocator(n: NewObject) -> Callable[[], Any]:
-    kind, cls = n.ref.kind, n.cls
-    if kind is ObjKind.CELL:
-        return types.CellType
-    if cls in (list, dict, set, object):
-        return cls
-    base: Any = {ObjKind.LIST: list, ObjKind.DICT: dict, ObjKind.SET: set}.get(kind, object)
-    return lambda: base.__new__(cls)
-
-
-def _value_fn(v: Value, slots: dict[Any, int]) -> ValueFn:
-    if isinstance(v, Ref):
-        i = slots[v]
-        return lambda env, t: env[i]
-    if isinstance(v, Original):
-        i = slots[v.source]
-        return lambda env, t: env[i]
-    if isinstance(v, TensorSlot):
-        k = v.index
-        return lambda env, t: t[k]
-    if isinstance(v, Computed):
-        fn, lhs, rhs = COMPUTE_OPS[v.op], _value_fn(v.lhs, slots), _value_fn(v.rhs, slots)
-        return lambda env, t: fn(lhs(env, t), rhs(env, t))
-    if type(v) is tuple and not is_constant(v):
-        fns = tuple(_value_fn(x, slots) for x in v)
-        return lambda env, t: tuple([f(env, t) for f in fns])
-    return lambda env, t: v
-
-
-def _function_maker(
-    n: NewObject, slots: dict[Any, int]
-) -> Callable[[Env, Sequence[Any], Roots], Any]:
-    spec = n.function
-    assert spec is not None
-    code, name = spec.code, spec.name
-    cells = tuple(slots[c] for c in spec.closure)
-    defaults = tuple(_value_fn(v, slots) for v in spec.defaults)
-    kwdefaults = tuple((k, _value_fn(v, slots)) for k, v in spec.kwdefaults)
-
-    def make(env: Env, t: Sequence[Any], roots: Roots) -> Any:
-        fn = types.FunctionType(
-            code,
-            roots.globals,
-            name,
-            tuple([f(env, t) for f in defaults]) if defaults else None,
-            tuple([env[i] for i in cells]) if cells else None,
-        )
-        if kwdefaults:
-            fn.__kwdefaults__ = {k: f(env, t) for k, f in kwdefaults}
-        return fn
-
-    return make
-
-
-def _fillers(
-    n: NewObject, value_fn: Callable[[Value], ValueFn], slots: dict[Any, int]
-) -> list[OpFn]:
-    i = slots[n.ref]
-    out: list[OpFn] = []
-    kind = n.ref.kind
-    if kind is ObjKind.LIST and n.items:
-        items = tuple(value_fn(v) for v in n.items)
-        out.append(lambda env, t, r: list.extend(env[i], [f(env, t) for f in items]))
-    elif kind is ObjKind.SET and n.items:
-        elements = tuple(n.items)
-        out.append(lambda env, t, r: set.update(env[i], elements))
-    elif kind is ObjKind.DICT and n.entries:
-        entries = tuple((k, value_fn(v)) for k, v in n.entries)
-
-        def fill_dict(env: Env, t: Sequence[Any], r: Roots) -> None:
-            d = env[i]
-            for k, f in entries:
-                dict.__setitem__(d, k, f(env, t))
-
-        out.append(fill_dict)
-    elif kind is ObjKind.CELL and n.contents:
-        f = value_fn(n.contents[0])
-
-        def fill_cell(env: Env, t: Sequence[Any], r: Roots) -> None:
-            env[i].cell_contents = f(env, t)
-
-        out.append(fill_cell)
-    if n.attrs:
-        attrs = tuple((k, value_fn(v)) for k, v in n.attrs if v is not Missing.ABSENT)
-
-        def fill_attrs(env: Env, t: Sequence[Any], r: Roots) -> None:
-            obj = env[i]
-            for k, f in attrs:
-                object.__setattr__(obj, k, f(env, t))
-
-        out.append(fill_attrs)
-    return out
+_ALLOC_BASE = {ObjKind.LIST: list, ObjKind.DICT: dict, ObjKind.SET: set, ObjKind.OBJECT: object}
+_LITERAL_NEW: dict[type, str] = {list: "[]", dict: "{}", set: "set()"}
+_INFIX = frozenset(COMPUTE_OPS) - {"min", "max"}
 
 
 def _raw_setattr(obj: object, name: str, value: Any) -> None:
@@ -519,55 +381,115 @@ def _raw_delattr(obj: object, name: str) -> None:
         object.__delattr__(obj, name)
 
 
-def _op_fn(op: Op, value_fn: Callable[[Value], ValueFn], slots: dict[Any, int]) -> OpFn:
-    """One closure per op; the target index, key and value getter are bound at compile time."""
-    k, key = op.kind, op.key
-    i = slots[op.target] if op.target is not None else -1
-    fns = tuple(value_fn(v) for v in op.args)
-    vf = fns[0] if fns else _no_value
-    match k:
+def _compile(plan: ReplayPlan) -> tuple[Callable[[Roots, Sequence[Any]], tuple[Any, ...]], str]:
+    """Generate ``replay(roots, t)``: fetch, allocate, fill, ops, results (see module doc)."""
+    em = Emitter("    ")
+    em.namespace.update(_setattr=_raw_setattr, _delattr=_raw_delattr, _Cell=types.CellType)
+    names: dict[Ref, str] = {}
+    for p in plan.preexisting:
+        names[p.ref] = em.source(p.source)
+
+    def hoist(v: Value) -> None:
+        if isinstance(v, Original) and v.source is not None:
+            em.source(v.source)
+
+    for v in plan._values():
+        _walk(v, hoist)
+
+    def val(v: Value) -> str:
+        if isinstance(v, Ref):
+            return names[v]
+        if isinstance(v, Original):
+            assert v.source is not None
+            return em.source(v.source)
+        if isinstance(v, TensorSlot):
+            return f"t[{v.index}]"
+        if isinstance(v, Computed):
+            lhs, rhs = val(v.lhs), val(v.rhs)
+            return f"({lhs} {v.op} {rhs})" if v.op in _INFIX else f"{v.op}({lhs}, {rhs})"
+        if type(v) is tuple and not is_constant(v):
+            inner = ", ".join(val(x) for x in v)
+            return f"({inner},)" if len(v) == 1 else f"({inner})"
+        return em.const(v)
+
+    for i, n in enumerate(plan.new_objects):
+        names[n.ref] = f"n{i}"
+    for n in plan.new_objects:
+        name, kind = names[n.ref], n.ref.kind
+        if kind is ObjKind.CELL:
+            em.emit(f"{name} = _Cell()")
+        elif kind is not ObjKind.FUNCTION:
+            literal = _LITERAL_NEW.get(n.cls)
+            base = _ALLOC_BASE[kind].__name__
+            em.emit(f"{name} = {literal or f'{base}.__new__({em.const(n.cls)})'}")
+    for n in plan.new_objects:
+        if n.function is not None:
+            f = n.function
+            defaults = f"({', '.join(val(d) for d in f.defaults)},)" if f.defaults else "None"
+            closure = f"({', '.join(names[c] for c in f.closure)},)" if f.closure else "None"
+            em.emit(
+                f"{names[n.ref]} = {em.const(types.FunctionType)}"
+                f"({em.const(f.code)}, g, {em.const(f.name)}, {defaults}, {closure})"
+            )
+            if f.kwdefaults:
+                pairs = ", ".join(f"{em.const(k)}: {val(v)}" for k, v in f.kwdefaults)
+                em.emit(f"{names[n.ref]}.__kwdefaults__ = {{{pairs}}}")
+    for n in plan.new_objects:
+        _emit_fill(em, n, names[n.ref], val)
+    for op in plan.ops:
+        em.emit(_op_line(op, names.get(op.target, "") if op.target else "", val, em))
+    results = ", ".join(val(v) for v in plan.results)
+    em.emit(f"return ({results},)" if len(plan.results) == 1 else f"return ({results})")
+    header = [
+        "def replay(roots, t):",
+        "    a = roots.args",
+        "    g = roots.globals",
+        "    c = roots.closure",
+    ]
+    fn = em.function("replay", header, [], "<loom replay>")
+    return fn, em.text
+
+
+def _emit_fill(em: Emitter, n: NewObject, name: str, val: Callable[[Value], str]) -> None:
+    kind = n.ref.kind
+    if kind is ObjKind.LIST and n.items:
+        em.emit(f"list.extend({name}, ({', '.join(val(v) for v in n.items)},))")
+    elif kind is ObjKind.SET and n.items:
+        em.emit(f"set.update({name}, {em.const(tuple(n.items))})")
+    elif kind is ObjKind.DICT:
+        for k, v in n.entries:
+            if n.cls is dict:
+                em.emit(f"{name}[{em.const(k)}] = {val(v)}")
+            else:
+                em.emit(f"dict.__setitem__({name}, {em.const(k)}, {val(v)})")
+    elif kind is ObjKind.CELL and n.contents:
+        em.emit(f"{name}.cell_contents = {val(n.contents[0])}")
+    for k, v in n.attrs:
+        em.emit(f"object.__setattr__({name}, {em.const(k)}, {val(v)})")
+
+
+def _op_line(op: Op, target: str, val: Callable[[Value], str], em: Emitter) -> str:
+    k = em.const(op.key)
+    v = val(op.args[0]) if op.args else ""
+    match op.kind:
         case OpKind.STORE_ATTR:
-            return lambda env, t, r: _raw_setattr(env[i], key, vf(env, t))
+            return f"_setattr({target}, {k}, {v})"
         case OpKind.DEL_ATTR:
-            return lambda env, t, r: _raw_delattr(env[i], key)
-        case OpKind.LIST_APPEND:
-            return lambda env, t, r: list.append(env[i], vf(env, t))
+            return f"_delattr({target}, {k})"
         case OpKind.LIST_EXTEND:
-            return lambda env, t, r: list.extend(env[i], [f(env, t) for f in fns])
-        case OpKind.LIST_SETITEM:
-            return lambda env, t, r: list.__setitem__(env[i], key, vf(env, t))
-        case OpKind.LIST_DELITEM:
-            return lambda env, t, r: list.__delitem__(env[i], key)
-        case OpKind.LIST_INSERT:
-            return lambda env, t, r: list.insert(env[i], key, vf(env, t))
-        case OpKind.LIST_POP:
-            return lambda env, t, r: list.__delitem__(env[i], key)
-        case OpKind.LIST_CLEAR:
-            return lambda env, t, r: list.clear(env[i])
-        case OpKind.LIST_REVERSE:
-            return lambda env, t, r: list.reverse(env[i])
-        case OpKind.DICT_SETITEM:
-            return lambda env, t, r: dict.__setitem__(env[i], key, vf(env, t))
-        case OpKind.DICT_DELITEM:
-            return lambda env, t, r: dict.__delitem__(env[i], key)
-        case OpKind.DICT_CLEAR:
-            return lambda env, t, r: dict.clear(env[i])
-        case OpKind.SET_ADD:
-            return lambda env, t, r: set.add(env[i], key)
-        case OpKind.SET_DISCARD:
-            return lambda env, t, r: set.discard(env[i], key)
-        case OpKind.SET_CLEAR:
-            return lambda env, t, r: set.clear(env[i])
+            return f"list.extend({target}, ({', '.join(val(x) for x in op.args)},))"
         case OpKind.STORE_GLOBAL:
-            return lambda env, t, r: r.globals.__setitem__(key, vf(env, t))
+            return f"g[{k}] = {v}"
         case OpKind.DEL_GLOBAL:
-            return lambda env, t, r: r.globals.__delitem__(key)
+            return f"del g[{k}]"
         case OpKind.STORE_CELL:
-            return lambda env, t, r: setattr(env[i], "cell_contents", vf(env, t))
+            return f"{target}.cell_contents = {v}"
         case OpKind.DEL_CELL:
-            return lambda env, t, r: delattr(env[i], "cell_contents")
-    raise AssertionError(f"no replay for {k}")
-
-
-def _no_value(env: Env, t: Sequence[Any]) -> Any:
-    raise AssertionError("op has no value")
+            return f"del {target}.cell_contents"
+    method = _METHOD_TEXT[op.kind]
+    args = [target]
+    if op.kind in KEYED_OPS:
+        args.append(k)
+    if op.args:
+        args.append(v)
+    return f"{method}({', '.join(args)})"
