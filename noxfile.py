@@ -33,7 +33,8 @@ PACKAGES: dict[str, str] = {
 
 def _sync(session: nox.Session, *args: str) -> None:
     env = {"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}
-    session.run_install("uv", "sync", "--locked", "--group", "dev", *args, env=env)
+    groups = args if "--only-group" in args else ("--group", "dev", *args)
+    session.run_install("uv", "sync", "--locked", *groups, env=env)
 
 
 def _pytest_env() -> dict[str, str]:
