@@ -16,6 +16,7 @@ import types
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
+from ._kinds import BASE_OF_KIND, attr_refusal, has_instance_attr, kind_of, materialize_refusal
 from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
 from ._refusals import SideEffectRefusal, SideEffectRefused, Unsupported
 from ._replay import ReplayPlan, checks_enabled
@@ -37,65 +38,6 @@ __all__ = ["SideEffects"]
 log = logging.getLogger("torchloom.sidefx")
 
 _NO_DEFAULT: Any = object()
-
-
-def kind_of(obj: object) -> ObjKind:
-    """The kind the log models ``obj`` as (a subclass keeps its base's kind)."""
-    if isinstance(obj, list):
-        return ObjKind.LIST
-    if isinstance(obj, dict):
-        return ObjKind.DICT
-    if isinstance(obj, set):
-        return ObjKind.SET
-    if isinstance(obj, types.CellType):
-        return ObjKind.CELL
-    if isinstance(obj, types.FunctionType):
-        return ObjKind.FUNCTION
-    return ObjKind.OBJECT
-
-
-_BASE_OF_KIND: dict[ObjKind, type] = {
-    ObjKind.LIST: list,
-    ObjKind.DICT: dict,
-    ObjKind.SET: set,
-    ObjKind.CELL: types.CellType,
-    ObjKind.FUNCTION: types.FunctionType,
-    ObjKind.OBJECT: object,
-}
-
-_HEAPTYPE = 1 << 9
-
-
-def _materialize_refusal(cls: type, kind: ObjKind) -> str | None:
-    """Why ``base.__new__(cls)`` cannot build a new ``cls`` without user code, or None."""
-    base = _BASE_OF_KIND[kind]
-    if not isinstance(cls, type) or not issubclass(cls, base):
-        return f"{cls!r} is not a subclass of {base.__name__}"
-    if kind in (ObjKind.CELL, ObjKind.FUNCTION):
-        return None if cls is base else f"{cls.__qualname__} subclasses {base.__name__}"
-    for c in cls.__mro__:
-        if c is base or c is object:
-            break
-        if not c.__flags__ & _HEAPTYPE:
-            return f"{cls.__qualname__} has the C base {c.__qualname__}"
-    return None
-
-
-def _attr_refusal(cls: type, name: str) -> str | None:
-    """Why a raw ``object.__setattr__``/``__delattr__`` of ``name`` on a ``cls`` is unsound."""
-    for c in cls.__mro__:
-        attr = vars(c).get(name, _NO_DEFAULT)
-        if attr is _NO_DEFAULT:
-            continue
-        t = type(attr)
-        if isinstance(attr, types.MemberDescriptorType):
-            return None
-        if hasattr(t, "__set__") or hasattr(t, "__delete__"):
-            return f"{cls.__qualname__}.{name} is a data descriptor ({t.__qualname__})"
-        break
-    if not any("__dict__" in vars(c) for c in cls.__mro__):
-        return f"{cls.__qualname__} instances have no __dict__"
-    return None
 
 
 class _Entry:
@@ -146,6 +88,7 @@ class SideEffects:
         self._entries: list[_Entry] = []
         self._by_id: dict[int, Ref] = {}
         self._ops: list[Op] = []
+        self._mutated: set[int] = set()
         self._globals: dict[str, Value] = {}
         self._num_slots = 0
         self.where = ""
@@ -186,8 +129,8 @@ class SideEffects:
         if cls is None:
             if kind is ObjKind.OBJECT:
                 raise TypeError("track_new(ObjKind.OBJECT) needs cls=")
-            cls = _BASE_OF_KIND[kind]
-        why = _materialize_refusal(cls, kind)
+            cls = BASE_OF_KIND[kind]
+        why = materialize_refusal(cls, kind)
         if why is not None:
             self._refuse(
                 SideEffectRefusal.UNMATERIALIZABLE,
@@ -260,7 +203,7 @@ class SideEffects:
 
     def is_mutated(self, ref: Ref) -> bool:
         """Whether this trace recorded a mutation of ``ref`` (always True for new objects)."""
-        return ref.is_new or any(op.target == ref for op in self._ops)
+        return ref.is_new or ref.index in self._mutated
 
     def list_items(self, ref: Ref) -> tuple[Value, ...]:
         """Current symbolic items of a tracked list."""
@@ -322,7 +265,7 @@ class SideEffects:
         """``del obj.name`` as a raw ``object.__delattr__``."""
         entry = self._attr_target(ref, name)
         current = entry.attrs.get(name, Missing.ABSENT if ref.is_new else Missing.UNCHANGED)
-        if current is Missing.UNCHANGED and not _has_instance_attr(entry.obj, name):
+        if current is Missing.UNCHANGED and not has_instance_attr(entry.obj, name):
             current = Missing.ABSENT
         if current is Missing.ABSENT:
             self._refuse(
@@ -591,7 +534,7 @@ class SideEffects:
         if ref.kind is ObjKind.CELL:
             self._refuse(SideEffectRefusal.WRONG_KIND, "cells have no attributes: use store_cell")
         self._require_source(entry)
-        why = _attr_refusal(entry.cls, name)
+        why = attr_refusal(entry.cls, name)
         if why is not None:
             self._refuse(
                 SideEffectRefusal.DESCRIPTOR_ATTR,
@@ -696,6 +639,7 @@ class SideEffects:
 
     def _log(self, kind: OpKind, ref: Ref, key: Any = None, args: tuple[Value, ...] = ()) -> None:
         if not ref.is_new:
+            self._mutated.add(ref.index)
             self._ops.append(Op(kind, ref, key, args, self.where))
 
     def _contents(self, entry: _Entry) -> list[Value]:
@@ -728,21 +672,3 @@ class SideEffects:
         attrs = tuple(entry.attrs.items())
         contents = () if entry.cell is Missing.ABSENT else (entry.cell,)
         return NewObject(entry.ref, entry.cls, items, entries, attrs, contents, entry.function)
-
-
-def _has_instance_attr(obj: object, name: str) -> bool:
-    try:
-        d = object.__getattribute__(obj, "__dict__")
-    except AttributeError:
-        d = {}
-    if isinstance(d, dict | types.MappingProxyType) and name in d:
-        return True
-    for c in type(obj).__mro__:
-        slot = vars(c).get(name)
-        if isinstance(slot, types.MemberDescriptorType):
-            try:
-                slot.__get__(obj, type(obj))
-            except AttributeError:
-                return False
-            return True
-    return False
