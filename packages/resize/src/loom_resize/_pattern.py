@@ -48,6 +48,7 @@ class FSDPPatternStack(nn.Module):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         self.fill = fill
+        self._copy_op = compat.fsdp_copy()
         self.weights = nn.ParameterList()
         shards = []
         for _ in range(num_layers):
@@ -70,7 +71,7 @@ class FSDPPatternStack(nn.Module):
         with torch.no_grad(), compat.preserve_version_counter(weight):
             weight.untyped_storage().resize_(weight.numel() * weight.element_size())
             if self.fill == "fsdp":
-                compat.fsdp_copy()(weight, gathered)
+                self._copy_op(weight, gathered)
             elif self.fill == "copy":
                 weight.copy_(gathered)
             else:
