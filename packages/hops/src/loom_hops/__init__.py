@@ -1,5 +1,61 @@
 """A base class for higher-order operators that invoke one subgraph and survive until codegen; the hook tracer (a symbolic interpreter of CPython 3.11/3.12 bytecode turning a hook into an FX graph, a replay plan, guards and a fingerprint); the passes that place saved-tensor pack/unpack subgraphs where they save memory; backward hooks on intermediate tensors."""
 
+from loom_hops._hook_graphs import GraphModuleHooks, HookGraphs, PackedLayout, TracedPack
+from loom_hops._hook_hops import PackHookOp, UnpackHookOp, pack_hook_op, unpack_hook_op
+from loom_hops._inline import inline_subgraph_hops
+from loom_hops._pass_result import PassResult
+from loom_hops._placement import (
+    PackedTensor,
+    PackScope,
+    Placement,
+    count_forward_outputs,
+    place_saved_tensor_hooks,
+)
+from loom_hops._runtime import (
+    eager_saved_tensors_hooks_disabled,
+    install_hooks_guard,
+    native_hook_inlining_disabled,
+)
+from loom_hops._saved_hooks import (
+    HookPair,
+    PythonHookTracer,
+    active_saved_tensors_hooks,
+    fingerprint_hooks,
+    prepare_saved_tensors_hooks,
+)
+from loom_hops._subgraph_hop import SubgraphHOP, subgraph_hops
+from loom_hops._unsupported import HopsRefusal, HopsRefusalKind, Unsupported
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "GraphModuleHooks",
+    "HookGraphs",
+    "HookPair",
+    "HopsRefusal",
+    "HopsRefusalKind",
+    "PackHookOp",
+    "PackScope",
+    "PackedLayout",
+    "PackedTensor",
+    "PassResult",
+    "Placement",
+    "PythonHookTracer",
+    "SubgraphHOP",
+    "TracedPack",
+    "UnpackHookOp",
+    "Unsupported",
+    "__version__",
+    "active_saved_tensors_hooks",
+    "count_forward_outputs",
+    "eager_saved_tensors_hooks_disabled",
+    "fingerprint_hooks",
+    "inline_subgraph_hops",
+    "install_hooks_guard",
+    "native_hook_inlining_disabled",
+    "pack_hook_op",
+    "place_saved_tensor_hooks",
+    "prepare_saved_tensors_hooks",
+    "subgraph_hops",
+    "unpack_hook_op",
+]

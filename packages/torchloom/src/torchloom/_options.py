@@ -44,6 +44,10 @@ class LoomOptions:
     cudagraphs: bool = False
     #: Inductor's max-autotune (``mode="max-autotune"`` sets this).
     max_autotune: bool = False
+    #: Place active ``saved_tensors_hooks`` inside compiled graphs (False: run them eagerly).
+    saved_tensor_hooks_in_graph: bool = True
+    #: What in-graph hooks pack: "all" saved tensors as eager does, or "activations" only.
+    saved_tensor_hooks_scope: Literal["all", "activations"] = "all"
     #: Remove ``resize_(full) -> copy_ -> resize_(0)`` chains on FSDP-style parameters.
     resize_remove_chains: bool = True
 

@@ -145,6 +145,10 @@ class PipelineStage:
 #: The stages the pipeline runs, in order. Packages append theirs here.
 STAGES: list[PipelineStage] = []
 
+from torchloom._stage_hooks import SavedTensorHooksStage  # noqa: E402
+
+STAGES.append(SavedTensorHooksStage())
+
 from torchloom._stage_resize import ResizeStage  # noqa: E402
 
 STAGES.append(ResizeStage())

@@ -1,0 +1,341 @@
+"""Placement of saved-tensor hooks in a partitioned forward/backward pair.
+
+For each tensor the partitioner saves, the pack graph is invoked (as a
+``loom_saved_tensor_pack`` node) right after the tensor's last forward use and
+its leaves replace the tensor among the forward's saved outputs; the unpack
+graph is invoked (``loom_saved_tensor_unpack``) right before the tensor's first
+backward use, fed by new backward placeholders. Invariant after the pass: the
+forward's saved outputs and the backward's saved inputs have the same names in
+the same order, symbolic sizes after tensors in the forward and before them in
+the backward, as AOTAutograd's runtime expects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from loom_hops._hook_graphs import HookGraphs, TracedPack
+from loom_hops._hook_hops import pack_hook_op, unpack_hook_op
+from loom_hops._torch_compat import is_sym_node
+from loom_hops._unsupported import HopsRefusalKind, Unsupported
+
+__all__ = [
+    "PackScope",
+    "PackedTensor",
+    "Placement",
+    "count_forward_outputs",
+    "place_saved_tensor_hooks",
+]
+
+log = logging.getLogger("torchloom.hops")
+
+
+class PackScope(enum.Enum):
+    """Which saved tensors get packed."""
+
+    #: Every tensor eager autograd would pack: inputs and parameters included (default).
+    ALL = "all"
+    #: Only intermediates (not graph inputs, not outputs): PyTorch's own default.
+    ACTIVATIONS = "activations"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PackedTensor:
+    """One saved tensor the placement packed, in forward save order."""
+
+    name: str
+    origin: str  # "activation", "input" or "output"
+    dtype: str
+    shape: tuple[str, ...]
+    device: str
+    crossing: tuple[str, ...]  # names of the packed leaves that go to the backward
+    pack_after: str  # the forward node after which the pack runs (last use)
+    unpack_before: str  # the backward node before which the unpack runs (first use)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placement:
+    """The rewritten pair, what was packed, and what was left as it is (with why)."""
+
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+    num_fwd_outputs: int
+    packed: tuple[PackedTensor, ...]
+    kept: tuple[tuple[str, str], ...]  # (saved tensor, reason)
+
+    def check(self) -> None:
+        """Verify the forward's saved outputs and the backward's saved inputs line up."""
+        self.forward.graph.lint()  # type: ignore[no-untyped-call]
+        self.backward.graph.lint()  # type: ignore[no-untyped-call]
+        saved = list(self.forward.graph.output_node().args[0])[self.num_fwd_outputs :]  # type: ignore[arg-type, index]
+        tensors = [n.name for n in saved if not is_sym_node(n)]
+        syms = [n.name for n in saved if is_sym_node(n)]
+        if [n.name for n in saved] != tensors + syms:
+            raise AssertionError("Placement: symbolic sizes must follow tensors in forward outputs")
+        ins = [n.name for n in self.backward.graph.nodes if n.op == "placeholder"]
+        if ins[: len(syms)] != syms or ins[len(syms) : len(syms) + len(tensors)] != tensors:
+            raise AssertionError(
+                f"Placement: forward saves {syms + tensors} but backward takes {ins}"
+            )
+        for node in (*self.forward.graph.nodes, *self.backward.graph.nodes):
+            if node.op == "call_function" and node.target in (pack_hook_op, unpack_hook_op):
+                for user in node.users:
+                    if user.target is not operator.getitem:
+                        raise AssertionError(f"Placement: {node.name} used by {user.name}")
+
+
+def _origin(node: torch.fx.Node, inner: set[torch.fx.Node]) -> str:
+    if node.op == "placeholder":
+        return "input"
+    if node in inner:
+        return "output"
+    return "activation"
+
+
+def _last_use(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    users = [u for u in node.users if u.op != "output"]
+    last = max(users, key=order.__getitem__, default=node)
+    if last.op == "placeholder":
+        placeholders: list[torch.fx.Node] = [n for n in graph.nodes if n.op == "placeholder"]
+        return placeholders[-1]
+    return last
+
+
+def _first_use(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first: torch.fx.Node = min(node.users, key=order.__getitem__)
+    return first
+
+
+def _fresh(gm: torch.fx.GraphModule, base: str) -> str:
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def _names(*graphs: torch.fx.Graph) -> set[str]:
+    return {n.name for g in graphs for n in g.nodes}
+
+
+def _unique(taken: set[str], base: str) -> str:
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    taken.add(name)
+    return name
+
+
+def _insert_pack(
+    fw: torch.fx.GraphModule,
+    saved: torch.fx.Node,
+    traced: TracedPack,
+    taken: set[str],
+) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    graph = fw.graph
+    anchor = _last_use(graph, saved)
+    attr = _fresh(fw, f"pack_{saved.name}")
+    fw.add_submodule(attr, traced.graph)
+    with graph.inserting_after(anchor):
+        get = graph.get_attr(attr)
+    with graph.inserting_after(get):
+        call = graph.call_function(pack_hook_op, (get, saved))
+    call.meta["val"] = traced.example_outputs
+    call.meta["loom_pass"] = "place_saved_tensor_hooks"
+    leaves: list[torch.fx.Node] = []
+    prev = call
+    for i, value in enumerate(traced.example_outputs):
+        with graph.inserting_after(prev):
+            leaf = graph.create_node(
+                "call_function",
+                operator.getitem,
+                (call, i),
+                name=_unique(taken, f"{saved.name}_packed_{i}"),
+            )
+        leaf.meta["val"] = value
+        leaf.meta["loom_pass"] = "place_saved_tensor_hooks"
+        leaves.append(leaf)
+        prev = leaf
+    return anchor, leaves
+
+
+def _insert_unpack(
+    bw: torch.fx.GraphModule,
+    placeholder: torch.fx.Node,
+    unpack_graph: torch.fx.GraphModule,
+    leaves: list[torch.fx.Node],
+    sym_anchor: list[torch.fx.Node],
+) -> torch.fx.Node | None:
+    graph = bw.graph
+    inputs: list[torch.fx.Node] = []
+    for leaf in leaves:
+        sym = isinstance(leaf.meta["val"], torch.SymInt)
+        if sym:
+            # NOTE: packed sizes go first, in forward order, before the saved sizes.
+            first = next(n for n in graph.nodes if n.op == "placeholder")
+            where = (
+                graph.inserting_after(sym_anchor[-1])
+                if sym_anchor
+                else graph.inserting_before(first)
+            )
+        else:
+            where = graph.inserting_before(placeholder)
+        with where:
+            new = graph.placeholder(leaf.name)
+        if new.name != leaf.name:
+            raise AssertionError(f"backward already has a node named {leaf.name}")
+        new.meta = dict(leaf.meta)
+        if sym:
+            sym_anchor.append(new)
+        inputs.append(new)
+    if not placeholder.users:
+        graph.erase_node(placeholder)
+        return None
+    first = _first_use(graph, placeholder)
+    attr = _fresh(bw, f"unpack_{placeholder.name}")
+    bw.add_submodule(attr, unpack_graph)
+    with graph.inserting_before(first):
+        get = graph.get_attr(attr)
+        call = graph.call_function(unpack_hook_op, (get, *inputs))
+        out = graph.call_function(operator.getitem, (call, 0))
+    call.meta["val"] = (placeholder.meta["val"],)
+    out.meta = {**placeholder.meta, "loom_pass": "place_saved_tensor_hooks"}
+    call.meta["loom_pass"] = "place_saved_tensor_hooks"
+    placeholder.replace_all_uses_with(out)
+    graph.erase_node(placeholder)
+    return first
+
+
+def count_forward_outputs(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> int:
+    """How many of the forward's outputs are the user's (the rest are saved for backward).
+
+    The backward's leading placeholders are the saved values, named as the
+    forward nodes they come from; tangents and other inputs follow under
+    other names. A node both returned and saved appears twice among the
+    outputs, so counting the saved block from the end stays exact.
+    """
+    outs = list(forward.graph.output_node().args[0])  # type: ignore[arg-type]
+    out_names = {n.name for n in outs if isinstance(n, torch.fx.Node)}
+    saved = 0
+    for node in backward.graph.nodes:
+        if node.op != "placeholder" or node.name not in out_names:
+            break
+        saved += 1
+    return len(outs) - saved
+
+
+def place_saved_tensor_hooks(
+    forward: torch.fx.GraphModule,
+    backward: torch.fx.GraphModule,
+    *,
+    num_fwd_outputs: int | None = None,
+    hooks: HookGraphs,
+    scope: PackScope = PackScope.ALL,
+) -> Placement | Unsupported:
+    """Pack each saved tensor after its last forward use, unpack before its first backward use.
+
+    ``forward``/``backward`` come straight from the partitioner (the forward
+    returns ``num_fwd_outputs`` user outputs, then saved tensors, then saved
+    sizes; the backward takes saved sizes, saved tensors, then tangents). Both
+    are rewritten in place. On refusal nothing has been changed.
+    ``num_fwd_outputs`` defaults to :func:`count_forward_outputs`.
+
+    >>> placement = place_saved_tensor_hooks(fw, bw, num_fwd_outputs=1,
+    ...                                      hooks=GraphModuleHooks(pack_gm, unpack_gm))
+    >>> placement.check(); [p.name for p in placement.packed]
+    ['primals_1', 'relu']
+    """
+    if num_fwd_outputs is None:
+        num_fwd_outputs = count_forward_outputs(forward, backward)
+    fw_out = forward.graph.output_node()
+    outs: list[Any] = list(fw_out.args[0])  # type: ignore[arg-type]
+    inner = outs[:num_fwd_outputs]
+    saved = outs[num_fwd_outputs:]
+    saved_tensors = [n for n in saved if isinstance(n, torch.fx.Node) and not is_sym_node(n)]
+    saved_syms = [n for n in saved if is_sym_node(n)]
+    bw_inputs = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    expected = [n.name for n in saved_syms + saved_tensors]
+    got = [n.name for n in bw_inputs[: len(expected)]]
+    if got != expected or len(saved_tensors) + len(saved_syms) != len(saved):
+        return Unsupported(
+            HopsRefusalKind.UNEXPECTED_GRAPH_LAYOUT,
+            f"graph {type(forward).__name__}",
+            f"the forward saves {expected} but the backward starts with {got}",
+            "run the placement right after a partitioner that keeps saved names",
+        )
+    inner_set = {n for n in inner if isinstance(n, torch.fx.Node)}
+    bw_by_name = {n.name: n for n in bw_inputs}
+
+    plans: list[tuple[torch.fx.Node, TracedPack, torch.fx.GraphModule]] = []
+    kept: list[tuple[str, str]] = []
+    for node in saved_tensors:
+        origin = _origin(node, inner_set)
+        if scope is PackScope.ACTIVATIONS and origin != "activation":
+            kept.append((node.name, f"{origin} (pack scope is activations)"))
+            continue
+        if node.meta.get("saved_tensor_with_no_vc_check", False):
+            kept.append((node.name, "saved without a version check by an autograd.Function"))
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            kept.append((node.name, "no example value"))
+            continue
+        traced = hooks.trace_pack(val)
+        if isinstance(traced, Unsupported):
+            return traced
+        unpack = hooks.trace_unpack(traced, val)
+        if isinstance(unpack, Unsupported):
+            return unpack
+        plans.append((node, traced, unpack))
+
+    taken = _names(forward.graph, backward.graph)
+    replaced: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    packed: list[PackedTensor] = []
+    sym_anchor: list[torch.fx.Node] = []
+    for node, traced, unpack in plans:
+        anchor, leaves = _insert_pack(forward, node, traced, taken)
+        replaced[node] = leaves
+        first_use = _insert_unpack(backward, bw_by_name[node.name], unpack, leaves, sym_anchor)
+        val = node.meta["val"]
+        packed.append(
+            PackedTensor(
+                name=node.name,
+                origin=_origin(node, inner_set),
+                dtype=str(val.dtype),
+                shape=tuple(str(s) for s in val.shape),
+                device=str(val.device),
+                crossing=tuple(leaf.name for leaf in leaves),
+                pack_after=anchor.name,
+                unpack_before=first_use.name if first_use is not None else "",
+            )
+        )
+
+    new_tensors: list[torch.fx.Node] = []
+    new_syms: list[torch.fx.Node] = []
+    for node in saved_tensors:
+        for leaf in replaced.get(node, [node]):
+            (new_syms if is_sym_node(leaf) else new_tensors).append(leaf)
+    fw_out.args = (tuple(inner + new_tensors + new_syms + saved_syms),)
+    forward.graph.lint()  # type: ignore[no-untyped-call]
+    backward.graph.lint()  # type: ignore[no-untyped-call]
+    forward.recompile()
+    backward.recompile()
+    placement = Placement(forward, backward, num_fwd_outputs, tuple(packed), tuple(kept))
+    placement.check()
+    log.debug(
+        "place_saved_tensor_hooks: packed %d saved tensor(s) with %s, kept %d",
+        len(packed),
+        hooks.description,
+        len(kept),
+    )
+    return placement

@@ -1,0 +1,185 @@
+"""The only door from ``loom_hops`` (outside the tracer) to private torch APIs.
+
+Everything here is pinned to torch 2.11 and written so that the next version is
+a small diff: each name is imported once, under one spelling, and re-exported
+with a type that the rest of the package relies on. A test greps the package
+for ``torch._`` outside this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch._C import DispatchKey
+from torch._guards import detect_fake_mode
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import (
+    ProxyTorchDispatchMode,
+    disable_proxy_modes_tracing,
+    make_fx,
+    track_tensor_tree,
+)
+from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbolic
+
+__all__ = [
+    "DispatchKey",
+    "FakeTensor",
+    "FakeTensorMode",
+    "HigherOrderOperator",
+    "ProxyTorchDispatchMode",
+    "below_autograd",
+    "detect_fake_mode",
+    "disable_proxy_modes_tracing",
+    "fake_mode_of",
+    "free_symbols",
+    "in_compiled_autograd",
+    "install_dynamo_guard",
+    "is_sym_node",
+    "is_symbolic",
+    "is_torch_op",
+    "make_fx",
+    "native_hook_inlining_disabled",
+    "python_dispatcher",
+    "reenter_make_fx",
+    "saved_tensors_hooks_disabled",
+    "saved_tensors_hooks_tracing_disabled",
+    "top_saved_tensors_hooks",
+    "track_tensor_tree",
+]
+
+#: ``(pack, unpack)`` as torch stores it, or ``None`` when no hooks are active.
+RawHooks = tuple[Callable[..., Any], Callable[..., Any]] | None
+
+
+def top_saved_tensors_hooks() -> RawHooks:
+    """The innermost active ``saved_tensors_hooks`` pair, read even while tracing."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if not hooks:
+        return None
+    pack, unpack = hooks
+    return (pack, unpack)
+
+
+@contextlib.contextmanager
+def saved_tensors_hooks_disabled(message: str) -> Iterator[None]:
+    """Stop autograd from applying the active saved-tensor hooks inside the block.
+
+    The same mechanism AOTAutograd uses for GraphModule hooks it inlined
+    (``runtime_wrappers._disable_saved_tensors_hooks``): tensors saved inside the
+    block are saved as they are; pushing new hooks inside raises ``message``.
+    """
+    ag = torch._C._autograd
+    previous = ag._saved_tensors_hooks_get_disabled_error_message()
+    ag._saved_tensors_hooks_disable(message, False)
+    try:
+        yield
+    finally:
+        if previous is None:
+            ag._saved_tensors_hooks_enable()
+        else:
+            ag._saved_tensors_hooks_disable(previous, False)
+
+
+@contextlib.contextmanager
+def saved_tensors_hooks_tracing_disabled() -> Iterator[None]:
+    """Autograd does not run saved-tensor hooks while we trace (Dynamo's own switch)."""
+    prior = torch._C._autograd._saved_tensors_hooks_set_tracing(True)
+    try:
+        yield
+    finally:
+        torch._C._autograd._saved_tensors_hooks_set_tracing(prior)
+
+
+def below_autograd() -> contextlib.AbstractContextManager[Any]:
+    """Dispatch below the Autograd key (what a HOP's autograd rule redispatches to)."""
+    return torch._C._AutoDispatchBelowAutograd()
+
+
+def reenter_make_fx(fn: Callable[..., Any]) -> Callable[..., torch.fx.GraphModule]:
+    """Trace ``fn`` as a subgraph of the make_fx session that is running now."""
+    from torch._higher_order_ops.utils import reenter_make_fx as _reenter
+
+    return _reenter(fn)  # type: ignore[no-any-return, no-untyped-call]
+
+
+def is_sym_node(node: Any) -> bool:
+    """Whether an FX node carries a symbolic int/float/bool value."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    val = node.meta.get("val")
+    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def fake_mode_of(values: Sequence[Any]) -> FakeTensorMode | None:
+    """The fake mode that owns ``values`` (or the ambient one)."""
+    mode = detect_fake_mode(list(values))
+    return mode if isinstance(mode, FakeTensorMode) else None
+
+
+def python_dispatcher() -> contextlib.AbstractContextManager[Any]:
+    """The Python dispatcher that symbolic-shape tracing needs (as AOTAutograd enables it)."""
+    return torch._C._EnablePythonDispatcher()  # type: ignore[no-any-return]
+
+
+def in_compiled_autograd() -> bool:
+    """Whether compiled autograd is tracing or running a backward right now."""
+    from torch._dynamo import compiled_autograd
+
+    return bool(compiled_autograd.in_compiled_autograd_region)
+
+
+def install_dynamo_guard(check: Callable[[], bool], description: str) -> bool:
+    """Add a global guard to the Dynamo frame being compiled right now.
+
+    Called from inside a backend: Dynamo builds the frame's guards after the
+    backend returns, so ``check()`` becomes part of the cache entry and a call
+    where it is false recompiles (bounded by Dynamo's recompile limit, after
+    which the frame runs eagerly). Returns ``False`` outside a Dynamo compile.
+    """
+    from torch._dynamo.guards import get_verbose_code_parts
+    from torch._dynamo.source import GlobalStateSource
+    from torch._guards import TracingContext
+
+    tc = TracingContext.try_get()
+    if tc is None:
+        return False
+
+    def create(builder: Any, guard: Any) -> None:
+        parts = get_verbose_code_parts([description], guard)
+        builder.guard_manager.root.add_lambda_guard(lambda _: check(), parts, guard.user_stack)
+
+    create.__name__ = "LOOM_SAVED_TENSORS_HOOKS"
+    tc.guards_context.dynamo_guards.add(GlobalStateSource().make_guard(create))
+    return True
+
+
+def is_torch_op(target: Any) -> bool:
+    """Whether an FX ``call_function`` target is a torch operator overload (or packet)."""
+    return isinstance(target, (OpOverload, OpOverloadPacket, HigherOrderOperator))
+
+
+@contextlib.contextmanager
+def native_hook_inlining_disabled(active: RawHooks) -> Iterator[None]:
+    """Keep AOTAutograd from inlining ``GraphModule`` hooks itself while we compile.
+
+    AOTAutograd 2.11 inlines the innermost pair when both are GraphModules
+    (``maybe_inline_graph_saved_tensors_hooks``) and then disables them at
+    runtime. loom places them itself, so it pushes an identity pair of Python
+    functions on top for the duration of the compile: AOTAutograd sees hooks it
+    does not inline and leaves the runtime alone. Hooks never run while AOT
+    traces (it sets the tracing flag), so the pair is never called.
+    """
+    if active is None or not all(isinstance(h, torch.fx.GraphModule) for h in active):
+        yield
+        return
+    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+        yield
+
+
+def _identity(x: Any) -> Any:
+    return x

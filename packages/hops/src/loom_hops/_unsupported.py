@@ -1,0 +1,62 @@
+"""Refusals of ``loom_hops`` as typed data.
+
+A function that cannot handle a hook or a graph returns (or raises, wrapped in
+:class:`HopsRefusal`) an :class:`Unsupported` whose ``kind`` is one
+:class:`HopsRefusalKind`. Every kind is described in ``docs/hops.md``; a test
+keeps the two in sync. The umbrella turns a refusal into an eager fallback with
+the reason in ``torchloom.report()``, or into an error in strict mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = ["HopsRefusal", "HopsRefusalKind", "Unsupported"]
+
+
+class HopsRefusalKind(enum.Enum):
+    """Why ``loom_hops`` refused a hook or a graph."""
+
+    #: A saved-tensor hook is a Python function and no tracer accepted it.
+    HOOK_NOT_TRACEABLE = "hook_not_traceable"
+    #: Only one of pack/unpack is a ``GraphModule``; the pair must be traced together.
+    MIXED_HOOK_KINDS = "mixed_hook_kinds"
+    #: Tracing a hook at a saved tensor's fake value failed.
+    HOOK_TRACE_FAILED = "hook_trace_failed"
+    #: The pack hook returned something that cannot cross from forward to backward.
+    UNSUPPORTED_PACKED_VALUE = "unsupported_packed_value"
+    #: The unpack hook did not return exactly one tensor.
+    BAD_UNPACK_RESULT = "bad_unpack_result"
+    #: The unpacked tensor's dtype, shape or device differs from the saved tensor's.
+    UNPACK_MISMATCH = "unpack_mismatch"
+    #: The forward/backward pair does not have the layout the placement expects.
+    UNEXPECTED_GRAPH_LAYOUT = "unexpected_graph_layout"
+    #: Compiled autograd is running: it owns saved tensors, so hooks stay eager.
+    COMPILED_AUTOGRAD = "compiled_autograd"
+    #: A traced Python hook has side effects that cannot be replayed after the graph.
+    HOOK_SIDE_EFFECTS_UNSUPPORTED = "hook_side_effects_unsupported"
+    #: A traced Python hook reads tensors from its closure or globals.
+    HOOK_READS_OUTSIDE_TENSORS = "hook_reads_outside_tensors"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unsupported:
+    """What was refused (``kind``), where, why, and what to do instead."""
+
+    kind: HopsRefusalKind
+    where: str
+    explanation: str
+    hint: str = ""
+
+    def __str__(self) -> str:
+        text = f"{self.where}: {self.explanation}" if self.where else self.explanation
+        return f"[{self.kind.value}] {text}" + (f" (hint: {self.hint})" if self.hint else "")
+
+
+class HopsRefusal(RuntimeError):
+    """An :class:`Unsupported` raised through code that cannot return it."""
+
+    def __init__(self, reason: Unsupported) -> None:
+        super().__init__(str(reason))
+        self.reason = reason

@@ -1,0 +1,214 @@
+"""place_saved_tensor_hooks: pack after last forward use, unpack before first backward use."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import hook_modules as hm
+import pytest
+import torch
+import torch.fx
+from _hooks_backend import hooks_backend
+
+import loom_hops
+from loom_hops import PackScope, Placement, pack_hook_op, unpack_hook_op
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.GELU()
+    )
+
+
+def _run(model: torch.nn.Module, x: torch.Tensor, hooks: Any, compiled: bool, **kw: Any) -> Any:
+    model.zero_grad()
+    x = x.detach().requires_grad_(True)
+    fn: Any = model
+    log = None
+    if compiled:
+        backend, log = hooks_backend(**kw)
+        fn = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.autograd.graph.saved_tensors_hooks(*hooks):
+        out = fn(x)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()] + [x.grad]
+    return out.detach(), grads, log
+
+
+def _placement(log: Any) -> Placement:
+    (placement,) = log.placements
+    assert isinstance(placement, Placement), placement
+    return placement
+
+
+@pytest.mark.parametrize("hooks", [hm.bf16, hm.fp8, hm.offload, hm.deciding])
+def test_compiled_hooks_match_eager_hooks(hooks: Any) -> None:
+    model, x = _mlp(), torch.randn(8, 16)
+    out_e, grads_e, _ = _run(model, x, hooks(), compiled=False)
+    out_c, grads_c, log = _run(model, x, hooks(), compiled=True)
+    placement = _placement(log)
+    assert placement.packed
+    torch.testing.assert_close(out_c, out_e)
+    for gc, ge in zip(grads_c, grads_e, strict=True):
+        torch.testing.assert_close(gc, ge)
+
+
+def test_pack_sits_right_after_the_last_forward_use() -> None:
+    model, x = _mlp(), torch.randn(8, 16)
+    _, _, log = _run(model, x, hm.bf16(), compiled=True, inline=False)
+    placement = _placement(log)
+    fw = placement.forward.graph
+    nodes = list(fw.nodes)
+    for packed in placement.packed:
+        saved = next(n for n in nodes if n.name == packed.name)
+        hop = next(u for u in saved.users if u.target is pack_hook_op)
+        others = [u for u in saved.users if u is not hop and u.op != "output"]
+        last = max(others, key=nodes.index) if others else saved
+        assert last.name == packed.pack_after or saved.op == "placeholder"
+        between = nodes[nodes.index(last) + 1 : nodes.index(hop)]
+        assert all(
+            n.op in ("get_attr", "placeholder") or n.target in (pack_hook_op, operator.getitem)
+            for n in between
+        ), [n.name for n in between]
+
+
+def test_unpack_sits_right_before_the_first_backward_use() -> None:
+    model, x = _mlp(), torch.randn(8, 16)
+    _, _, log = _run(model, x, hm.bf16(), compiled=True, inline=False)
+    placement = _placement(log)
+    nodes = list(placement.backward.graph.nodes)
+    hops = [n for n in nodes if n.target is unpack_hook_op]
+    assert len(hops) == len(placement.packed)
+    for hop in hops:
+        (out,) = hop.users
+        first = min(out.users, key=nodes.index)
+        assert nodes.index(first) == nodes.index(out) + 1 or all(
+            n.target in (unpack_hook_op, operator.getitem) or n.op == "get_attr"
+            for n in nodes[nodes.index(out) + 1 : nodes.index(first)]
+        )
+
+
+def test_what_crosses_is_the_packed_value_and_constants_are_folded() -> None:
+    model, x = _mlp(), torch.randn(8, 16)
+    _, _, log = _run(model, x, hm.bf16(), compiled=True, inline=False)
+    placement = _placement(log)
+    saved = list(placement.forward.graph.output_node().args[0])[placement.num_fwd_outputs :]
+    assert saved and all(n.meta["val"].dtype == torch.bfloat16 for n in saved)
+    assert all(len(p.crossing) == 1 for p in placement.packed)  # the dtype stayed behind
+
+
+def test_default_scope_packs_parameters_like_eager() -> None:
+    model, x = _mlp(), torch.randn(8, 16)
+    _, _, log = _run(model, x, hm.bf16(), compiled=True)
+    origins = {p.origin for p in _placement(log).packed}
+    assert "input" in origins and "activation" in origins
+
+
+def test_activation_scope_keeps_inputs_and_parameters_as_they_are() -> None:
+    model, x = _mlp(), torch.randn(8, 16)
+    _, _, log = _run(model, x, hm.bf16(), compiled=True, scope=PackScope.ACTIVATIONS)
+    placement = _placement(log)
+    assert placement.packed and {p.origin for p in placement.packed} == {"activation"}
+    assert placement.kept and all("input" in why for _, why in placement.kept)
+
+
+def test_per_tensor_decision_is_made_for_each_saved_tensor() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    x = torch.randn(2, 4)
+    _, grads_e, _ = _run(model, x, hm.deciding(), compiled=False)
+    _, grads_c, log = _run(model, x, hm.deciding(), compiled=True)
+    placement = _placement(log)
+    saved = list(placement.forward.graph.output_node().args[0])[placement.num_fwd_outputs :]
+    dtypes = {n.meta["val"].dtype for n in saved}
+    assert dtypes == {torch.float32, torch.bfloat16}  # small ones kept, big ones cast
+    for gc, ge in zip(grads_c, grads_e, strict=True):
+        torch.testing.assert_close(gc, ge)
+
+
+def test_eager_hooks_are_not_applied_again_to_what_the_graph_saves() -> None:
+    calls = {"pack": 0}
+    pack, unpack = hm.bf16()
+
+    class Counting(torch.fx.GraphModule):
+        def __call__(self, *a: Any, **k: Any) -> Any:
+            calls["pack"] += 1
+            return super().__call__(*a, **k)
+
+    counting = Counting(pack, pack.graph)
+    model, x = _mlp(), torch.randn(8, 16, requires_grad=True)
+    backend, log = hooks_backend()
+    fn = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.autograd.graph.saved_tensors_hooks(counting, unpack):
+        fn(x).sum().backward()  # compiles: the pack graph is traced (calls at compile time)
+        calls["pack"] = 0
+        fn(x).sum().backward()
+    assert log.compiles == 1 and calls["pack"] == 0
+
+
+def test_a_mismatching_unpack_is_refused_and_nothing_changes() -> None:
+    class BadUnpack(torch.nn.Module):
+        def forward(self, p: Any) -> torch.Tensor:
+            return p[1]  # stays bf16
+
+    hooks = hm.pair(hm.Bf16Pack(), BadUnpack())
+    model, x = _mlp(), torch.randn(8, 16)
+    _, _, log = _run(model, x, hooks, compiled=True)
+    (refusal,) = log.placements
+    assert isinstance(refusal, loom_hops.Unsupported)
+    assert refusal.kind is loom_hops.HopsRefusalKind.UNPACK_MISMATCH
+    assert "bfloat16" in refusal.explanation
+
+
+def test_check_catches_misaligned_saved_values() -> None:
+    model, x = _mlp(), torch.randn(8, 16)
+    _, _, log = _run(model, x, hm.bf16(), compiled=True, inline=False)
+    placement = _placement(log)
+    first = next(n for n in placement.backward.graph.nodes if n.op == "placeholder")
+    first.name = "renamed_input"
+    with pytest.raises(AssertionError, match="forward saves"):
+        placement.check()
+
+
+@pytest.mark.parametrize("make_hooks", [hm.fp8, hm.flat])
+def test_dynamic_shapes_compile_once_and_serve_every_size(make_hooks: Any) -> None:
+    model = _mlp()
+    backend, log = hooks_backend()
+    fn = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+    hooks = make_hooks()
+    for batch in (3, 5, 9):
+        x = torch.randn(batch, 16)
+        model.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            out_c = fn(x)
+        out_c.sum().backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            out_e = model(x)
+        out_e.sum().backward()
+        torch.testing.assert_close(out_c, out_e)
+        for a, b in zip(got, [p.grad for p in model.parameters()], strict=True):
+            torch.testing.assert_close(a, b)
+    assert log.compiles == 1
+    placement = _placement(log)
+    assert any(not dim.isdigit() for p in placement.packed for dim in p.shape)
+
+
+def test_sizes_a_pack_returns_cross_as_symbolic_outputs_when_dynamic() -> None:
+    model = _mlp()
+    backend, log = hooks_backend(inline=False)
+    fn = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+    with torch.autograd.graph.saved_tensors_hooks(*hm.flat()):
+        fn(torch.randn(5, 16, requires_grad=True)).sum().backward()
+    placement = _placement(log)
+    placement.check()
+    crossing = {name for p in placement.packed for name in p.crossing}
+    sym_inputs = [
+        n
+        for n in placement.backward.graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.SymInt)
+    ]
+    assert any(n.name in crossing for n in sym_inputs)

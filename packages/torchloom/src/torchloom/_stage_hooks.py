@@ -1,0 +1,135 @@
+"""The hooks stage: saved-tensor hooks placed inside compiled graphs (``loom_hops``).
+
+At compile time the stage snapshots the innermost active
+``saved_tensors_hooks`` pair and guards the Dynamo frame on it (a call under
+other hooks recompiles: Dynamo's cache holds the variants, bounded by its
+recompile limit). After the partitioner it packs every saved tensor right after
+its last forward use and unpacks it right before its first backward use, as
+``loom_saved_tensor_pack``/``unpack`` nodes that stay visible in the report and
+are inlined just before codegen. At run time the compiled callable runs with
+eager application of the hooks disabled, so nothing is packed twice. Hooks it
+cannot trace stay eager (PyTorch's behaviour), with the reason in the report,
+or raise in strict mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.fx import GraphModule
+
+import loom_hops
+from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
+from torchloom._stages import GraphContext, GraphKind, PipelineStage
+
+__all__ = ["HooksState", "SavedTensorHooksStage"]
+
+log = logging.getLogger("torchloom.hooks")
+
+
+@dataclasses.dataclass
+class HooksState:
+    """What the stage knows about one Dynamo graph (``ctx.state["hooks"]``).
+
+    ``fingerprint`` is the hooks' content hash for cache keys (``None``:
+    bypass the cache). A cache stage must not store an artifact when
+    ``refused`` is set: that compilation left the hooks eager.
+    """
+
+    pair: loom_hops.HookPair | None
+    fingerprint: str | None
+    graphs: loom_hops.HookGraphs | None = None
+    placement: loom_hops.Placement | None = None
+    refused: loom_hops.Unsupported | None = None
+
+    @property
+    def cacheable(self) -> bool:
+        return self.fingerprint is not None and self.refused is None
+
+
+class SavedTensorHooksStage(PipelineStage):
+    """Places the active saved-tensor hooks in the forward and backward graphs."""
+
+    name = "hooks"
+
+    def _refuse(self, ctx: GraphContext, state: HooksState, reason: loom_hops.Unsupported) -> None:
+        state.refused = reason
+        ctx.record.add_entry(
+            "hooks", "refused", f"saved_tensors_hooks stay eager: {reason}", kind_=reason.kind.value
+        )
+        if ctx.options.strict:
+            raise LoomRefusal(
+                Unsupported(
+                    RefusalKind.STAGE_REFUSED, reason.where, f"loom_hops: {reason}", reason.hint
+                )
+            )
+        log.warning("graph %d: saved_tensors_hooks stay eager: %s", ctx.graph_id, reason)
+
+    def wrap_backend(
+        self,
+        ctx: GraphContext,
+        example_inputs: Sequence[Any],
+        compile_cold: Callable[[], Callable[..., Any]],
+    ) -> Callable[..., Any]:
+        pair = loom_hops.active_saved_tensors_hooks()
+        loom_hops.install_hooks_guard(pair)
+        state = HooksState(pair, loom_hops.fingerprint_hooks(pair))
+        ctx.state[self.name] = state
+        if pair is None:
+            return compile_cold()
+        if not ctx.options.saved_tensor_hooks_in_graph:
+            ctx.record.add_entry("hooks", "eager", "saved_tensor_hooks_in_graph is off")
+            return compile_cold()
+        graphs = loom_hops.prepare_saved_tensors_hooks(pair)
+        if isinstance(graphs, loom_hops.Unsupported):
+            self._refuse(ctx, state, graphs)
+            return compile_cold()
+        state.graphs = graphs
+        with loom_hops.native_hook_inlining_disabled(pair):
+            compiled = compile_cold()
+        if state.refused is not None:
+            return compiled
+
+        def run_with_hooks_in_graph(*args: Any) -> Any:
+            with loom_hops.eager_saved_tensors_hooks_disabled():
+                return compiled(*args)
+
+        return run_with_hooks_in_graph
+
+    def after_partition(
+        self, ctx: GraphContext, fw_gm: GraphModule, bw_gm: GraphModule
+    ) -> tuple[GraphModule, GraphModule]:
+        state: HooksState | None = ctx.state.get(self.name)
+        if state is None or state.graphs is None or state.refused is not None:
+            return fw_gm, bw_gm
+        scope = loom_hops.PackScope(ctx.options.saved_tensor_hooks_scope)
+        placement = loom_hops.place_saved_tensor_hooks(
+            fw_gm, bw_gm, hooks=state.graphs, scope=scope
+        )
+        if isinstance(placement, loom_hops.Unsupported):
+            self._refuse(ctx, state, placement)
+            return fw_gm, bw_gm
+        state.placement = placement
+        packed = ", ".join(f"{p.name} after {p.pack_after}" for p in placement.packed)
+        ctx.record.add_entry(
+            "hooks",
+            "placed",
+            f"{len(placement.packed)} saved tensor(s) packed with {state.graphs.description} "
+            f"(scope {scope.value}): {packed or 'none'}",
+            packed=tuple(p.name for p in placement.packed),
+            kept=placement.kept,
+            fingerprint=state.fingerprint,
+        )
+        for kind, gm in (("forward+hooks", fw_gm), ("backward+hooks", bw_gm)):
+            code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+            ctx.record.add_graph(kind, code)
+            log.debug("graph %d, %s:\n%s", ctx.graph_id, kind, code)
+        return fw_gm, bw_gm
+
+    def before_codegen(
+        self, ctx: GraphContext, gm: GraphModule, kind: GraphKind, example_inputs: Sequence[Any]
+    ) -> GraphModule:
+        return loom_hops.inline_subgraph_hops(gm).graph_module
