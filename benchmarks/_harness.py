@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -122,13 +123,27 @@ def time_fn(
     On CUDA each call is bracketed by CUDA events on the current stream, so the
     time is the device time the call's work took, launch gaps included; the
     events are read after one final synchronize. On CPU each call is timed with
-    ``time.perf_counter``.
+    ``time.perf_counter``. Python's cyclic garbage collector is paused during
+    the timed calls (after one collection), as ``timeit`` does.
     """
     if iters < 1:
         raise ValueError(f"time_fn needs iters >= 1, got {iters}")
     for _ in range(warmup):
         fn()
     sync(device)
+    # NOTE: as timeit does, keep the cyclic GC out of the timed loop; a compile
+    # leaves much garbage, and its collection would land in one variant's steps.
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return Timing(tuple(_timed_calls(fn, iters, device)))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _timed_calls(fn: Callable[[], object], iters: int, device: DeviceLike) -> list[float]:
     if _is_cuda(device):
         pairs = []
         for _ in range(iters):
@@ -139,13 +154,13 @@ def time_fn(
             end.record()
             pairs.append((start, end))
         sync(device)
-        return Timing(tuple(s.elapsed_time(e) / 1e3 for s, e in pairs))
+        return [s.elapsed_time(e) / 1e3 for s, e in pairs]
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return Timing(tuple(times))
+    return times
 
 
 def time_once(fn: Callable[[], object], device: DeviceLike) -> float:
@@ -329,10 +344,15 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(
+    description: str,
+    argv: Sequence[str] | None = None,
+    configure: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
     """The common command line: ``--device {cpu,cuda}``, ``--quick``, ``--iters N``.
 
-    ``--no-append`` skips writing to ``results/`` (for trial runs).
+    ``--no-append`` skips writing to ``results/`` (for trial runs); ``configure``
+    adds a script's own arguments to the parser.
     """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
@@ -355,6 +375,8 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
         action="store_true",
         help="print the table without appending to benchmarks/results/",
     )
+    if configure is not None:
+        configure(parser)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda given but torch.cuda.is_available() is False")
