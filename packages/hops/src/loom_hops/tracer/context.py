@@ -229,20 +229,17 @@ class TraceContext:
             self.cell_value(cell, f"{fn.__qualname__}.{name}")
             for cell, name in zip(fn.__closure__ or (), fn.__code__.co_freevars, strict=True)
         )
-        defaults: tuple[Value, ...] = ()
-        if fn.__defaults__:
-            base = AttrSource(source, "__defaults__") if source is not None else None
-            defaults = tuple(
-                self.wrap(d, ItemSource(base, i) if base is not None else None)
-                for i, d in enumerate(fn.__defaults__)
-            )
-        kwdefaults: dict[str, Value] = {}
-        for k, d in (fn.__kwdefaults__ or {}).items():
-            base = AttrSource(source, "__kwdefaults__") if source is not None else None
-            kwdefaults[k] = self.wrap(d, ItemSource(base, k) if base is not None else None)
-        return FunctionV(
-            fn.__code__, fn.__globals__, fn.__name__, cells, defaults, kwdefaults, fn, source
-        )
+        # Defaults are wrapped (and guarded) only when a call uses them: see default_value.
+        return FunctionV(fn.__code__, fn.__globals__, fn.__name__, cells, (), {}, fn, source)
+
+    def default_value(self, fn: FunctionV, key: int | str) -> Value:
+        """The default of positional parameter ``key`` (an index) or keyword-only ``key``."""
+        if fn.fn is None:
+            return fn.defaults[key] if isinstance(key, int) else fn.kwdefaults[key]
+        name = "__defaults__" if isinstance(key, int) else "__kwdefaults__"
+        raw = getattr(fn.fn, name)[key]
+        base = AttrSource(fn.source, name) if fn.source is not None else None
+        return self.wrap(raw, ItemSource(base, key) if base is not None else None)
 
     def cell_value(self, cell: types.CellType, label: str) -> CellV:
         known = self.known.get(id(cell))

@@ -149,14 +149,20 @@ def inline_call(
             "return a list instead (generator expressions are supported)",
         )
     # Bind like CPython does, on a stand-in function whose defaults are markers.
+    n_defaults = len(fn.fn.__defaults__ or ()) if fn.fn is not None else len(fn.defaults)
+    kw_names = (
+        list(getattr(fn.fn, "__kwdefaults__", None) or {})
+        if fn.fn is not None
+        else list(fn.kwdefaults)
+    )
     stand_in = types.FunctionType(
         fn.code,
         {},
         fn.name,
-        tuple(_Default(i) for i in range(len(fn.defaults))) or None,
+        tuple(_Default(i) for i in range(n_defaults)) or None,
         tuple(types.CellType() for _ in fn.code.co_freevars) or None,
     )
-    stand_in.__kwdefaults__ = {k: _Default(k) for k in fn.kwdefaults} or None
+    stand_in.__kwdefaults__ = {k: _Default(k) for k in kw_names} or None
     try:
         bound_args = inspect.signature(stand_in).bind(*args, **kwargs)
     except TypeError as exc:
@@ -174,8 +180,7 @@ def inline_call(
         elif param.kind is inspect.Parameter.VAR_KEYWORD:
             bound[name] = DictV(None, None, items=dict(value))
         elif isinstance(value, _Default):
-            idx = value.index
-            bound[name] = fn.defaults[idx] if isinstance(idx, int) else fn.kwdefaults[idx]
+            bound[name] = ctx.default_value(fn, value.index)
         else:
             bound[name] = value
     frame = Frame(ctx, fn, bound, depth + 1)

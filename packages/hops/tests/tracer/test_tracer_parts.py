@@ -1,0 +1,305 @@
+"""The tracer's parts: registry, graph form, output layout, guards, replay-plan checks,
+fingerprint stability, version knowledge and the refusal doc page."""
+
+from __future__ import annotations
+
+import dis
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loom_hops.tracer import GuardKind, HookUnsupported, TracedHook, TraceRefusal, trace_hook
+from loom_hops.tracer.frame import HANDLERS, handles
+from loom_hops.tracer.replay import (
+    ConstRef,
+    Effect,
+    EffectOp,
+    NewKind,
+    NewObject,
+    NewRef,
+    ReplayPlan,
+    ReplayPlanError,
+    TensorSlot,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+import corpus
+
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def traced(fn: Any, *args: Any) -> TracedHook:
+    result = trace_hook(fn, args)
+    assert isinstance(result, TracedHook), str(result)
+    return result
+
+
+# ------------------------------------------------------------------ registry
+
+
+def test_registering_an_opcode_this_python_lacks_fails() -> None:
+    with pytest.raises(ValueError, match="no such opcode"):
+        handles("NOT_AN_OPCODE")(lambda frame, inst: None)
+
+
+def test_registering_an_opcode_twice_fails() -> None:
+    with pytest.raises(ValueError, match="registered twice"):
+        handles("LOAD_FAST")(lambda frame, inst: None)
+
+
+def test_every_opcode_the_corpus_compiles_to_has_a_handler() -> None:
+    refused_ops = {"IMPORT_NAME"}  # the corpus' unsupported-opcode case
+    missing: set[str] = set()
+
+    def visit(code: types.CodeType) -> None:
+        for inst in dis.get_instructions(code):
+            if inst.opname not in HANDLERS and inst.opname not in refused_ops:
+                missing.add(inst.opname)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                visit(const)
+
+    for fn in vars(corpus).values():
+        if inspect.isfunction(fn) and fn.__module__ == corpus.__name__:
+            visit(fn.__code__)
+    # Exception-path opcodes never run on a trace that returns normally.
+    missing -= {
+        "PUSH_EXC_INFO",
+        "WITH_EXCEPT_START",
+        "RERAISE",
+        "POP_EXCEPT",
+        "CHECK_EXC_MATCH",
+        "CLEANUP_THROW",
+    }
+    assert not missing
+
+
+def test_an_opcode_without_handler_is_refused_with_its_line() -> None:
+    def hook(t):
+        import math  # an import inside the hook
+
+        return t * math.pi
+
+    result = trace_hook(hook, (torch.ones(2),))
+    assert isinstance(result, HookUnsupported)
+    assert result.kind is TraceRefusal.UNSUPPORTED_OPCODE
+    assert "IMPORT_NAME" in result.explanation
+    assert result.where == f"test_tracer_parts.py:{hook.__code__.co_firstlineno + 1}"
+
+
+# ------------------------------------------------------------------- graphs
+
+
+def test_graph_is_aten_level_and_functional() -> None:
+    def hook(t):
+        y = t.clone()
+        y.mul_(2)
+        y[0] = 0.0
+        return torch.nn.functional.relu(y)
+
+    gm = traced(hook, torch.randn(3, 2)).graph
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets
+    for target in targets:
+        assert isinstance(target, torch._ops.OpOverload), target
+        assert not target._schema.is_mutable, target
+
+
+def test_user_outputs_come_first_then_side_effect_slots() -> None:
+    log: list[Any] = []
+
+    def hook(t):
+        log.append(t.amax())
+        return (t.dtype, t * 2)
+
+    x = torch.randn(4)
+    tr = traced(hook, x)
+    assert tr.num_user_outputs == 1
+    assert tr.num_effect_outputs == 1
+    outputs = tr.graph(*tr.graph_inputs(x))
+    assert torch.equal(outputs[0], x * 2)
+    assert torch.equal(outputs[1], x.amax())
+    (append,) = tr.replay.effects
+    assert append.op is EffectOp.LIST_APPEND and append.value == TensorSlot(1)
+    result = tr.replay.apply(outputs, (x,))
+    assert result[0] is torch.float32 and torch.equal(result[1], x * 2)
+    assert len(log) == 1 and torch.equal(log[0], x.amax())
+
+
+def test_hook_traced_on_fake_tensors_runs_on_real_ones() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def pack(t):
+        return (t.dtype, t.to(torch.bfloat16))
+
+    mode = FakeTensorMode()
+    with mode:
+        fake = torch.empty(8, 4)
+    tr = traced(pack, fake)
+    real = torch.randn(8, 4)
+    assert tr.check_guards(real)
+    dtype, data = tr.run(real)
+    assert dtype is torch.float32 and torch.equal(data, real.to(torch.bfloat16))
+
+
+def test_fx_wrapped_function_is_an_opaque_call() -> None:
+    tr = traced(_uses_wrapped, torch.ones(3))
+    assert tr.opaque
+    assert torch.equal(tr.run(torch.ones(3)), torch.ones(3) * 7)
+
+
+@torch.fx.wrap
+def _wrapped_scale(t: torch.Tensor) -> torch.Tensor:
+    return t * 7
+
+
+def _uses_wrapped(t: torch.Tensor) -> torch.Tensor:
+    return _wrapped_scale(t)
+
+
+# -------------------------------------------------------------------- guards
+
+
+def test_guard_function_rejects_changed_metadata_and_missing_sources() -> None:
+    def hook(t):
+        return t * 2
+
+    x = torch.randn(2, 3)
+    tr = traced(hook, x)
+    assert tr.check_guards(x)
+    assert not tr.check_guards(x.double())
+    assert not tr.check_guards(x.t())  # same numel, other shape and strides
+    assert not tr.check_guards(x.requires_grad_())
+    assert not tr.check_guards("not a tensor")
+    assert not tr.check_guards()  # the argument is missing: False, not IndexError
+
+
+def test_counter_update_needs_no_guard_on_its_value() -> None:
+    hook = corpus._make_counting_pack()
+    tr = traced(hook, torch.ones(2))
+    assert all(g.kind is not GuardKind.EQUALS for g in tr.guards), [g.describe() for g in tr.guards]
+    tr.run(torch.ones(2))
+    tr.run(torch.ones(2))
+    assert hook.__closure__ is not None and hook.__closure__[0].cell_contents == 2
+
+
+def test_shadowing_a_builtin_after_tracing_fails_the_guard() -> None:
+    ns: dict[str, Any] = {"__builtins__": __builtins__, "torch": torch}
+    exec("def hook(t):\n    return t * len(t.shape)\n", ns)
+    hook = ns["hook"]
+    tr = traced(hook, torch.ones(2, 2))
+    assert tr.check_guards(torch.ones(2, 2))
+    ns["len"] = lambda x: 5
+    assert not tr.check_guards(torch.ones(2, 2))
+
+
+def test_the_same_list_reached_two_ways_is_guarded_as_aliased() -> None:
+    shared: list[int] = []
+    ns: dict[str, Any] = {"A": shared, "B": shared}
+    exec("def hook(t):\n    A.append(1)\n    B.append(len(A))\n    return t\n", ns)
+    tr = traced(ns["hook"], torch.ones(1))
+    assert tr.check_guards(torch.ones(1))
+    ns["B"] = []
+    assert not tr.check_guards(torch.ones(1))
+
+
+# ------------------------------------------------------------- replay plans
+
+
+def _plan(**changes: Any) -> ReplayPlan:
+    base: dict[str, Any] = {
+        "reads": (),
+        "new_objects": (NewObject(NewKind.LIST, (ConstRef(1), TensorSlot(0))),),
+        "effects": (),
+        "output": NewRef(0),
+        "num_slots": 1,
+    }
+    base.update(changes)
+    return ReplayPlan(**base)
+
+
+def test_valid_replay_plan_passes_check() -> None:
+    _plan().check()
+
+
+def test_replay_plan_check_rejects_slot_out_of_range() -> None:
+    with pytest.raises(ReplayPlanError, match="slot 3"):
+        _plan(output=TensorSlot(3)).check()
+
+
+def test_replay_plan_check_rejects_new_object_used_before_built() -> None:
+    bad = (NewObject(NewKind.TUPLE, (NewRef(0),)),)
+    with pytest.raises(ReplayPlanError, match="before it is built"):
+        _plan(new_objects=bad).check()
+
+
+def test_replay_plan_check_rejects_effect_missing_operand() -> None:
+    with pytest.raises(ReplayPlanError, match="value missing"):
+        _plan(effects=(Effect(EffectOp.LIST_APPEND, target=NewRef(0)),)).check()
+
+
+# -------------------------------------------------------------- fingerprint
+
+_FINGERPRINT_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    import corpus
+    from loom_hops.tracer import trace_hook
+    out = []
+    for name in ("quantize_fp8_by_dtype", "counter_in_closure", "shapes_appended_to_global_list",
+                 "set_of_seen_dtypes", "list_subclass_with_overridden_append"):
+        case = next(c for c in corpus.CASES if c.name == name)
+        s = case.build()
+        out.append(trace_hook(s.hook, s.args).fingerprint)
+    print(",".join(out))
+    """
+)
+
+
+def test_fingerprint_is_identical_in_two_fresh_processes() -> None:
+    script = _FINGERPRINT_SCRIPT.format(tests=str(Path(__file__).parent))
+    runs = []
+    for seed in ("1", "2"):
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
+        runs.append(proc.stdout.strip())
+    assert runs[0] == runs[1]
+    assert len(set(runs[0].split(","))) == 5
+
+
+def test_fingerprint_changes_with_guarded_values_and_code() -> None:
+    a = corpus.quantize_bf16_by_size()
+    b = corpus.quantize_bf16_by_size()
+    b.hook.__globals__["THRESHOLD"] = 100
+    fa = traced(a.hook, *a.args).fingerprint
+    fb = traced(b.hook, *b.args).fingerprint
+    assert fa != fb
+
+
+# --------------------------------------------------------- version and docs
+
+
+def test_python_version_checks_live_only_in_pyversion() -> None:
+    src = ROOT / "packages" / "hops" / "src" / "loom_hops" / "tracer"
+    offenders = [p.name for p in src.rglob("*.py") if "version_info" in p.read_text()]
+    assert not offenders
+
+
+def test_every_refusal_kind_is_documented() -> None:
+    doc = (ROOT / "docs" / "tracer.md").read_text()
+    missing = [k.name for k in TraceRefusal if f"`{k.name}`" not in doc]
+    assert not missing
