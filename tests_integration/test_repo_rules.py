@@ -30,6 +30,10 @@ COMPAT_FILES = {"_torch_compat.py", "_pyversion.py"}
 SNAPSHOT_DIR = ROOT / "tests_integration" / "api"
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
 def _sources(folder: str) -> list[Path]:
     return sorted((ROOT / "packages" / folder / "src").rglob("*.py"))
 
@@ -46,17 +50,17 @@ def test_private_torch_apis_only_in_compat_module(folder: str) -> None:
             if isinstance(node, ast.Attribute):
                 name = node.attr
                 base = node.value
-                if isinstance(base, ast.Name) and base.id == "torch" and name.startswith("_"):
+                if isinstance(base, ast.Name) and base.id == "torch" and _private(name):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} torch.{name}")
             elif isinstance(node, ast.ImportFrom) and node.module:
                 if re.match(r"(torch|functorch)(\.|$)", node.module) and any(
-                    part.startswith("_") for part in node.module.split(".")
+                    _private(part) for part in node.module.split(".")
                 ):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} from {node.module}")
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.startswith("torch") and any(
-                        p.startswith("_") for p in alias.name.split(".")
+                        _private(p) for p in alias.name.split(".")
                     ):
                         offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {alias.name}")
     assert not offenders, "private torch APIs outside _torch_compat.py:\n" + "\n".join(offenders)

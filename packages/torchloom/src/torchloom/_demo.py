@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchloom import _torch_compat as compat
 from torchloom._models import MLP, GPTStack, ModelSize
 
 __all__ = ["DemoResult", "run_demo"]
@@ -144,6 +145,6 @@ def run_demo(
         backends["inductor"] = lambda m: torch.compile(m, backend="inductor")
     results = []
     for w in _workloads(size):
-        torch._dynamo.reset()
+        compat.dynamo_reset()
         results.append(_run_one(w, size, dev, iters, backends, progress))
     return results
