@@ -206,3 +206,19 @@ def test_a_deferred_guard_is_added_when_the_tracer_specializes() -> None:
     assert guard.describe() == "closure[0:count].cell_contents == 0"
     cells.store(count, 1)
     assert cells.guard_read(count) is None, "a written cell is symbolic"
+
+
+def test_rollback_forgets_cells_guards_and_writes_of_an_abandoned_speculation() -> None:
+    bump, _ = make_pair()
+    se = SideEffects()
+    cells = CellModel(se)
+    (shared,) = cells.hook_closure(bump)  # type: ignore[arg-type]
+    cp = cells.checkpoint()
+    cells.load(shared)
+    cells.store(shared, 99)
+    cells.new_cell("tmp", 1)
+    cells.rollback(cp)
+    assert cells.guards() == ()
+    assert concrete(cells.load(shared, guard=False)) == 10
+    assert se.build().is_empty
+    assert cells.existing(bump.__closure__[0], ClosureSource(0, "shared")) == shared  # type: ignore[index]

@@ -229,3 +229,26 @@ def test_refusals_carry_the_current_location() -> None:
     xs = se.track_existing([], None)
     with pytest.raises(SideEffectRefused, match=r"^hooks.py:12: mutation of a pre-existing list"):
         se.list_append(xs, 1)
+
+
+def test_rollback_forgets_what_a_speculative_trace_recorded() -> None:
+    xs = [1]
+    d = {"a": 1}
+    se = SideEffects()
+    xs_ref = se.track_existing(xs, GlobalSource("xs"))
+    se.list_append(xs_ref, 2)
+    cp = se.checkpoint()
+    se.list_append(xs_ref, 3)
+    d_ref = se.track_existing(d, GlobalSource("d"))
+    se.dict_setitem(d_ref, "b", se.new_tensor_slot())
+    se.store_global("g", 1)
+    se.track_new(ObjKind.LIST)
+    se.rollback(cp)
+    assert concrete(se.list_items(xs_ref)) == (1, 2)
+    assert se.tracked(d) is None
+    assert se.load_global("g") is Missing.UNCHANGED
+    assert se.new_tensor_slot() == TensorSlot(0)
+    plan = se.build()
+    assert [op.kind.value for op in plan.ops] == ["list_append"]
+    again = se.track_existing(d, GlobalSource("d"))
+    assert again.index == d_ref.index, "refs are handed out again from the checkpoint"

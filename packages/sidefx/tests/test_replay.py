@@ -633,3 +633,15 @@ def test_every_op_kind_replays_like_cpython() -> None:
     plan = differential(make, real, trace)
     assert {op.kind for op in plan.ops} == set(OpKind)
     assert "0x" not in plan.program_text()
+
+
+def test_a_plan_pickles_as_data_and_replays_after_unpickling() -> None:
+    import pickle
+
+    plan = _valid_plan()
+    plan.apply(Roots((), {"xs": [], "d": {}}), (0,))  # compiles the program
+    copy_ = pickle.loads(pickle.dumps(plan))
+    assert copy_ == plan and copy_.describe() == plan.describe()
+    g: dict[str, Any] = {"xs": [], "d": {}}
+    copy_.apply(Roots((), g), ("t",))
+    assert g == {"xs": [{"t": "t"}], "d": {"k": 1}}

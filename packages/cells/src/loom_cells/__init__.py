@@ -3,13 +3,14 @@
 from loom_sidefx import Guard, GuardKind, compile_guards
 
 from ._frame import FrameCells
-from ._model import Cell, CellModel, GuardPolicy, default_guard_policy
+from ._model import Cell, CellCheckpoint, CellModel, GuardPolicy, default_guard_policy
 from ._refusals import CellRefusal, CellRefused, Unsupported
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Cell",
+    "CellCheckpoint",
     "CellModel",
     "CellRefusal",
     "CellRefused",

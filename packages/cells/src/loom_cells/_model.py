@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from loom_sidefx import (
     CellContentsSource,
+    Checkpoint,
     ClosureSource,
     FunctionClosureSource,
     Guard,
@@ -35,7 +36,7 @@ from loom_sidefx import (
 
 from ._refusals import CellRefusal, refuse
 
-__all__ = ["Cell", "CellModel", "GuardPolicy", "default_guard_policy"]
+__all__ = ["Cell", "CellCheckpoint", "CellModel", "GuardPolicy", "default_guard_policy"]
 
 log = logging.getLogger("torchloom.cells")
 
@@ -46,6 +47,14 @@ GuardPolicy = Callable[[object], GuardKind | None]
 def default_guard_policy(value: object) -> GuardKind | None:
     """Value equality for constants, identity for every other object."""
     return GuardKind.EQUALS if is_constant(value) else GuardKind.IDENTITY
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CellCheckpoint:
+    """A point to roll a :class:`CellModel` (and its side-effect log) back to."""
+
+    side_effects: Checkpoint
+    guards: tuple[Guard, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,6 +197,17 @@ class CellModel:
             closure=tuple(c.ref for c in closure),
             kwdefaults=kwdefaults,
         )
+
+    def checkpoint(self) -> CellCheckpoint:
+        """Snapshot the cells, guards and the underlying side-effect log."""
+        return CellCheckpoint(self.side_effects.checkpoint(), tuple(self._guards))
+
+    def rollback(self, cp: CellCheckpoint) -> None:
+        """Forget the cells, guards and side effects recorded since ``cp``."""
+        self.side_effects.rollback(cp.side_effects)
+        limit = cp.side_effects.num_entries
+        self._cells = {ref: cell for ref, cell in self._cells.items() if ref.index < limit}
+        self._guards = dict.fromkeys(cp.guards)
 
     def guards(self) -> tuple[Guard, ...]:
         """Guards on the pre-existing cell contents the trace read, in first-read order."""

@@ -1,6 +1,6 @@
 """Symbolic values with a mutation type, the side-effect log of a traced hook, pruning of dead new objects, and the replay plan that applies recorded side effects, in program order, after a compiled graph runs. Pure Python: it never imports torch."""
 
-from ._builder import SideEffects
+from ._builder import Checkpoint, SideEffects
 from ._guards import Guard, GuardKind, GuardPredicate, compile_guards, constant_guard
 from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
 from ._refusals import SideEffectRefusal, SideEffectRefused, Unsupported
@@ -38,6 +38,7 @@ __all__ = [
     "ArgSource",
     "AttrSource",
     "CellContentsSource",
+    "Checkpoint",
     "ClosureSource",
     "Computed",
     "FunctionClosureSource",

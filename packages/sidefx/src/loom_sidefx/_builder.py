@@ -11,6 +11,7 @@ state, and :meth:`SideEffects.build` keeps the new objects that escape.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from collections.abc import Iterable, Mapping
@@ -33,7 +34,7 @@ from ._values import (
     is_constant,
 )
 
-__all__ = ["SideEffects"]
+__all__ = ["Checkpoint", "SideEffects"]
 
 log = logging.getLogger("torchloom.sidefx")
 
@@ -67,6 +68,18 @@ class _Entry:
         self.attrs: dict[str, Value] = {}
         self.cell: Value = Missing.ABSENT
         self.function: FunctionSpec | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A point to roll a :class:`SideEffects` log back to (see ``checkpoint``)."""
+
+    num_entries: int
+    num_ops: int
+    mutated: frozenset[int]
+    globals: tuple[tuple[str, Value], ...]
+    num_slots: int
+    states: tuple[tuple[Any, ...], ...] = dataclasses.field(repr=False)
 
 
 class SideEffects:
@@ -429,6 +442,45 @@ class SideEffects:
             self._refuse(SideEffectRefusal.WOULD_RAISE, "deleting an empty cell raises NameError")
         entry.cell = Missing.ABSENT
         self._log(OpKind.DEL_CELL, ref)
+
+    # ------------------------------------------------------------ speculation
+    def checkpoint(self) -> Checkpoint:
+        """Snapshot the log, to :meth:`rollback` to if a speculative trace is abandoned."""
+        states = tuple(
+            (
+                e.source,
+                e.state,
+                list(e.items),
+                dict(e.mapping),
+                dict(e.attrs),
+                e.cell,
+            )
+            for e in self._entries
+        )
+        return Checkpoint(
+            len(self._entries),
+            len(self._ops),
+            frozenset(self._mutated),
+            tuple(self._globals.items()),
+            self._num_slots,
+            states,
+        )
+
+    def rollback(self, cp: Checkpoint) -> None:
+        """Forget everything recorded and tracked since ``cp`` was taken."""
+        for entry in self._entries[cp.num_entries :]:
+            if not entry.ref.is_new:
+                del self._by_id[id(entry.obj)]
+        del self._entries[cp.num_entries :]
+        del self._ops[cp.num_ops :]
+        self._mutated = set(cp.mutated)
+        self._globals = dict(cp.globals)
+        self._num_slots = cp.num_slots
+        for entry, (source, state, items, mapping, attrs, cell) in zip(
+            self._entries, cp.states, strict=True
+        ):
+            entry.source, entry.state, entry.cell = source, state, cell
+            entry.items, entry.mapping, entry.attrs = list(items), dict(mapping), dict(attrs)
 
     # -------------------------------------------------------------------- build
     def build(self, results: tuple[Value, ...] = ()) -> ReplayPlan:

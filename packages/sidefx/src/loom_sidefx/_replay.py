@@ -76,6 +76,13 @@ class ReplayPlan:
         default=None, init=False, repr=False, compare=False
     )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # NOTE: the generated program is a cache: pickles carry the data only.
+        return (
+            ReplayPlan,
+            (self.preexisting, self.new_objects, self.ops, self.results, self.num_tensor_slots),
+        )
+
     @property
     def is_empty(self) -> bool:
         """True when replay has nothing to do (no op and no result)."""
