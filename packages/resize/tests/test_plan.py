@@ -80,7 +80,7 @@ def test_partial_resize_down_is_refused_naming_the_input() -> None:
     b.resize(weight, 32)
     err = _refusal(b.build(weight))
     assert err.reason.kind is ResizeKind.PARTIAL_RESIZE
-    assert "'weight'" in str(err) and "from 64 to 32 bytes" in str(err)
+    assert "input 'weight'" in err.reason.where and "from 64 to 32 bytes" in str(err)
 
 
 def test_resize_up_to_fewer_bytes_than_needed_is_refused() -> None:
@@ -112,7 +112,7 @@ def test_resize_of_intermediate_is_refused() -> None:
     b.resize(y, 0)
     err = _refusal(b.build(x))
     assert err.reason.kind is ResizeKind.INTERMEDIATE
-    assert f"{y.name!r}" in str(err) and "graph inputs" in str(err)
+    assert f"node {y.name!r}" in err.reason.where and "graph inputs" in str(err)
 
 
 def test_differentiable_fill_is_refused() -> None:

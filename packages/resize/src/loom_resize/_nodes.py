@@ -8,6 +8,7 @@ graphs, so each pass can run on either.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch.fx import GraphModule, Node
 from loom_resize import _torch_compat as compat
 
 __all__ = [
+    "describe",
     "example_value",
     "fill_pairs",
     "finish_graph",
@@ -99,13 +101,25 @@ def finish_graph(gm: GraphModule) -> None:
     gm.recompile()
 
 
-def location(node: Node) -> str:
-    """``input 'name'`` plus the user's file:line when the node carries a stack trace."""
-    what = f"input {node.name!r}" if node.op == "placeholder" else f"node {node.name!r}"
-    trace = node.meta.get("stack_trace")
-    if trace:
-        lines = [ln.strip() for ln in str(trace).strip().splitlines() if ln.strip()]
-        files = [ln for ln in lines if ln.startswith("File ")]
-        if files:
-            return f"{what} at {files[-1].removeprefix('File ')}"
-    return what
+def describe(node: Node) -> str:
+    """``input G['p'] ('g_p_')`` for a Dynamo graph input, ``input 'primals_1'``, or ``node 'mm'``."""
+    if node.op != "placeholder":
+        return f"node {node.name!r}"
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    if callable(name):
+        name = name()
+    return f"input {name} ({node.name!r})" if isinstance(name, str) else f"input {node.name!r}"
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def location(node: Node, at: Node | None = None) -> str:
+    """``describe(node)`` plus the user's file:line taken from ``at`` (default: ``node``)."""
+    trace = (at or node).meta.get("stack_trace")
+    frames = _FRAME.findall(str(trace)) if trace else []
+    if frames:
+        path, line = frames[-1]
+        return f"{describe(node)} at {path}:{line}"
+    return describe(node)

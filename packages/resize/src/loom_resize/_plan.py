@@ -97,8 +97,10 @@ class ResizePlan:
         return bool(self.inputs)
 
 
-def _refuse(kind: ResizeKind, node: Node, explanation: str, hint: str) -> ResizeRefused:
-    return ResizeRefused(Unsupported(kind, location(node), explanation, hint))
+def _refuse(
+    kind: ResizeKind, node: Node, explanation: str, hint: str, at: Node | None = None
+) -> ResizeRefused:
+    return ResizeRefused(Unsupported(kind, location(node, at), explanation, hint))
 
 
 def _check_input(resize: Node) -> Node:
@@ -107,11 +109,12 @@ def _check_input(resize: Node) -> Node:
     if target.op not in ("placeholder", "get_attr"):
         raise _refuse(
             ResizeKind.INTERMEDIATE,
-            resize,
-            f"resizes the storage of {target.name!r}, a tensor computed in the graph; "
+            target,
+            "its storage is resized, but it is a tensor computed in the graph; "
             "only graph inputs (parameters, buffers, arguments) can have their storage "
             "resize functionalized",
             "resize the parameter itself, or move the resize outside the compiled region",
+            at=resize,
         )
     if compat.is_tensor_subclass(example_value(target)):
         raise _refuse(
@@ -120,6 +123,7 @@ def _check_input(resize: Node) -> Node:
             f"is a tensor subclass ({type(example_value(target)).__name__}) whose storage "
             "is resized; the storage of a wrapper subclass is not the data its ops read",
             "resize the plain tensor inside the subclass (e.g. the local shard of a DTensor)",
+            at=resize,
         )
     return target
 
@@ -150,11 +154,12 @@ def _walk_sizes(target: Node, resizes: list[Node]) -> tuple[int, int, int]:
             continue
         raise _refuse(
             ResizeKind.PARTIAL_RESIZE,
-            node,
-            f"resizes the storage of input {target.name!r} from {current} to {new} bytes; "
+            target,
+            f"its storage is resized from {current} to {new} bytes; "
             f"only resizes from 0 to at least the {full} bytes the tensor needs, or to 0, "
             "can be functionalized",
             "resize to 0 bytes to free, and to numel() * element_size() to re-allocate",
+            at=node,
         )
     return start, current, full
 
@@ -164,10 +169,11 @@ def _check_fill(node: Node, dst: Node, src: object, grad_enabled: bool) -> None:
     if grad_enabled and getattr(src_value, "requires_grad", False):
         raise _refuse(
             ResizeKind.DIFFERENTIABLE_FILL,
-            node,
-            f"fills resized input {dst.name!r} from a tensor that requires grad while grad "
+            dst,
+            f"{node.name} fills it from a tensor that requires grad while grad "
             "mode is on, so autograd would have to differentiate through the fill",
             "fill under torch.no_grad(), as FSDP2 does",
+            at=node,
         )
 
 

@@ -1,0 +1,116 @@
+"""The resize stage end to end: FSDP-style modules compiled with
+``backend="loom"`` match eager in outputs, gradients and the storage size of
+every parameter; refusals fall back to eager with the reason, or raise in
+strict mode; ``torchloom.report()`` shows what the passes did."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import torchloom
+from loom_resize import FillOp, FSDPPatternStack
+
+EAGER = {"codegen": "eager"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Iterator[None]:
+    torchloom.reset()
+    yield
+    torchloom.reset()
+
+
+def _steps(model: FSDPPatternStack, forward: Any, x: torch.Tensor, steps: int = 2) -> list[Any]:
+    seen = []
+    for _ in range(steps):
+        x.grad = None
+        for w in model.weights:
+            w.grad = None
+        out = forward(x)
+        after_forward = model.storage_nbytes()
+        model.prepare_backward(out)
+        out.sum().backward()
+        assert x.grad is not None
+        grads = [w.grad.clone() for w in model.weights if w.grad is not None]
+        seen.append((out.detach(), x.grad.clone(), grads, after_forward, model.storage_nbytes()))
+    return seen
+
+
+def _compare(fill: FillOp, options: dict[str, Any], device: str = "cpu") -> None:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2)).to(device).requires_grad_()
+    reference = FSDPPatternStack(2, 16, fill=fill, device=device)
+    want = _steps(reference, reference, x)
+    model = FSDPPatternStack(2, 16, fill=fill, device=device)
+    compiled = torch.compile(model, backend="loom", options=options, fullgraph=True)
+    got = _steps(model, compiled, x)
+    for (o1, g1, w1, f1, b1), (o2, g2, w2, f2, b2) in zip(got, want, strict=True):
+        torch.testing.assert_close(o1, o2)
+        torch.testing.assert_close(g1, g2)
+        assert len(w1) == len(w2) == 2
+        for a, b in zip(w1, w2, strict=True):
+            torch.testing.assert_close(a, b)
+        assert (f1, b1) == (f2, b2) == ([0, 0], [0, 0])
+    assert torchloom.report()[0].fallback is None
+
+
+def _messages(kind: str) -> list[str]:
+    return [e.message for e in torchloom.report().entries("resize") if e.kind == kind]
+
+
+@pytest.mark.parametrize("fill", ["fsdp", "copy", "foreach"])
+def test_fsdp_pattern_compiles_and_matches_eager(fill: FillOp) -> None:
+    _compare(fill, EAGER)
+    removed = _messages("remove_resize_copy_resize")
+    assert len(removed) == 2 and all(m.startswith("forward: input 'primals_") for m in removed)
+    inputs = _messages("input")
+    assert len(inputs) == 2 and all("up_down (0 -> 0 bytes" in m for m in inputs)
+    if fill != "fsdp":
+        assert len(_messages("rewrite_fills_as_fsdp_copy")) == 2
+    forward_code = dict(torchloom.report()[0].graphs)["forward"]
+    assert "resize_storage_bytes_" not in forward_code
+
+
+def test_chain_removal_can_be_turned_off() -> None:
+    _compare("copy", {**EAGER, "resize_remove_chains": False})
+    assert not _messages("remove_resize_copy_resize")
+    assert "resize_storage_bytes_" in dict(torchloom.report()[0].graphs)["forward"]
+
+
+def _partial(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    out = x @ p
+    p.untyped_storage().resize_(32)
+    return out
+
+
+def test_partial_resize_falls_back_to_eager_with_the_reason() -> None:
+    p, x = torch.randn(4, 4), torch.randn(2, 4)
+    want = x @ p
+    out = torch.compile(_partial, backend="loom", options=EAGER)(p, x)
+    torch.testing.assert_close(out, want)
+    assert p.untyped_storage().nbytes() == 32
+    record = torchloom.report()[0]
+    assert record.fallback is not None and "L['p']" in record.fallback
+    assert "from 64 to 32 bytes" in record.fallback and "test_stage_resize.py" in record.fallback
+    assert [e.get("kind_") for e in torchloom.report().entries("resize")] == ["partial_resize"]
+
+
+def test_partial_resize_raises_in_strict_mode() -> None:
+    with pytest.raises(Exception, match=r"from 64 to 32 bytes"):
+        torch.compile(_partial, backend="loom", options={**EAGER, "strict": True})(
+            torch.randn(4, 4), torch.randn(2, 4)
+        )
+
+
+@pytest.mark.inductor
+def test_fsdp_pattern_matches_eager_with_inductor_codegen() -> None:
+    _compare("copy", {"codegen": "inductor"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codegen", ["inductor", "eager"])
+def test_fsdp_pattern_matches_eager_on_cuda(codegen: str) -> None:
+    _compare("copy", {"codegen": codegen}, device="cuda")
