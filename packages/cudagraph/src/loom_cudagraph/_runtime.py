@@ -88,8 +88,6 @@ class RuntimeStats:
 class CudagraphRuntime:
     """A boxed callable running one planned graph; see :func:`build_runtime`."""
 
-    _boxed_call = True
-
     def __init__(
         self,
         plan: PartitionPlan,
@@ -98,6 +96,9 @@ class CudagraphRuntime:
         n_slots: int,
         static_stats: list[SegmentStats | CapturedSegment],
     ) -> None:
+        # NOTE: an instance attribute, so wrappers made with functools.wraps
+        # (torch._dynamo.disable around a backward) keep the boxed convention.
+        self._boxed_call = True
         self.plan = plan
         self._steps = steps
         self._outputs = outputs

@@ -317,6 +317,7 @@ class CapturedSegment:
                 continue
             if (
                 i in static
+                or isinstance(v, torch.nn.Parameter)
                 or is_managed(v)
                 or not non_overlapping_and_dense(v)
                 or v.device != self.device
