@@ -25,13 +25,19 @@ from loom_hops._saved_hooks import (
 )
 from loom_hops._subgraph_hop import SubgraphHOP, subgraph_hops
 from loom_hops._unsupported import HopsRefusal, HopsRefusalKind, Unsupported
+from loom_hops.tracer import Guard as HookGuard
+from loom_hops.tracer import GuardKind as HookGuardKind
+from loom_hops.tracer import HookUnsupported, TracedHook, TraceRefusal, trace_hook
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GraphModuleHooks",
     "HookGraphs",
+    "HookGuard",
+    "HookGuardKind",
     "HookPair",
+    "HookUnsupported",
     "HopsRefusal",
     "HopsRefusalKind",
     "PackHookOp",
@@ -42,6 +48,8 @@ __all__ = [
     "Placement",
     "PythonHookTracer",
     "SubgraphHOP",
+    "TraceRefusal",
+    "TracedHook",
     "TracedPack",
     "UnpackHookOp",
     "Unsupported",
@@ -57,5 +65,6 @@ __all__ = [
     "place_saved_tensor_hooks",
     "prepare_saved_tensors_hooks",
     "subgraph_hops",
+    "trace_hook",
     "unpack_hook_op",
 ]
