@@ -32,6 +32,18 @@ def _backend(codegen: str) -> tuple[str, Mapping[str, Any] | None]:
     return (BACKEND, None) if codegen == "eager" else ("inductor", {})
 
 
+def _check_loom_compiled_every_graph(backend: str, graphs: int) -> None:
+    """A graph that fell back to eager would pass the comparison trivially."""
+    if backend != "loom":
+        return
+    import torchloom
+
+    report = torchloom.report()
+    assert len(report) == graphs, report.format()
+    fallbacks = [f"graph {g.graph_id}: {g.fallback}" for g in report if g.fallback]
+    assert not fallbacks, "loom fell back to eager:\n" + "\n".join(fallbacks)
+
+
 def _ids(programs: tuple[Program, ...]) -> list[Any]:
     return [pytest.param(p, id=p.name) for p in programs]
 
@@ -41,13 +53,15 @@ def test_program_matches_eager_on_cpu(program: Program) -> None:
     backend, options = _backend("eager")
     result = run_differential(program, backend, options, "cpu")
     assert result.compared_tensors > 0
+    _check_loom_compiled_every_graph(backend, result.unique_graphs)
 
 
 @pytest.mark.inductor
 @pytest.mark.parametrize("program", _ids(tuple(by_name(n) for n in INDUCTOR_ON_CPU)))
 def test_program_matches_eager_on_cpu_with_inductor(program: Program) -> None:
     backend, options = _backend("inductor")
-    run_differential(program, backend, options, "cpu")
+    result = run_differential(program, backend, options, "cpu")
+    _check_loom_compiled_every_graph(backend, result.unique_graphs)
 
 
 @pytest.mark.gpu
@@ -56,7 +70,8 @@ def test_program_matches_eager_on_cuda_with_default_options(
     program: Program, cuda_without_tf32: torch.device
 ) -> None:
     backend, options = _backend("inductor")
-    run_differential(program, backend, options, cuda_without_tf32)
+    result = run_differential(program, backend, options, cuda_without_tf32)
+    _check_loom_compiled_every_graph(backend, result.unique_graphs)
 
 
 def test_corpus_has_at_least_25_programs_with_unique_names() -> None:
