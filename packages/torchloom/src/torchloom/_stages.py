@@ -152,3 +152,7 @@ STAGES.append(SavedTensorHooksStage())
 from torchloom._stage_resize import ResizeStage  # noqa: E402
 
 STAGES.append(ResizeStage())
+
+from torchloom._stage_cache import CacheStage  # noqa: E402
+
+STAGES.append(CacheStage())

@@ -1,0 +1,329 @@
+"""The cache stage: a second process compiling the same program starts warm.
+
+Around the whole compilation of a Dynamo graph, the stage computes a
+``loom_cache`` key (graph fingerprint, environment, loom's versions and
+options, the active saved-tensor hooks) and looks it up. On a hit it serves
+AOTAutograd's result from the stored artifact, so AOT tracing, hook placement,
+partitioning and codegen are all skipped, and it replays the report entries
+the cold compilation made (hook placement, plans). On a miss it compiles cold,
+captures the bundled result and stores it. A cache problem of any kind is a
+miss with a logged reason; it never fails a compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import os
+import pickle
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import torch
+from torch.fx import GraphModule
+
+import loom_cache
+from torchloom import _torch_compat as compat
+from torchloom._stages import Codegen, GraphContext, GraphKind, PipelineStage
+
+__all__ = ["CacheStage", "cache_store"]
+
+log = logging.getLogger("torchloom.cache")
+
+ARTIFACT_FORMAT: Final = 1
+_LOOM_DISTRIBUTIONS: Final = (
+    "torchloom",
+    "torchloom-cache",
+    "torchloom-hops",
+    "torchloom-resize",
+    "torchloom-cudagraph",
+    "torchloom-sidefx",
+    "torchloom-cells",
+)
+_FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
+
+_store_lock = threading.Lock()
+_stores: dict[tuple[str, str], loom_cache.TieredStore] = {}
+
+
+def cache_store() -> loom_cache.TieredStore:
+    """The process's store for the current ``TORCHLOOM_CACHE_DIR`` / ``TORCHLOOM_REMOTE_CACHE``."""
+    ident = (str(loom_cache.default_cache_dir()), os.environ.get("TORCHLOOM_REMOTE_CACHE", ""))
+    with _store_lock:
+        if ident not in _stores:
+            _stores[ident] = loom_cache.open_default_store()
+        return _stores[ident]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Artifact:
+    """What a hit needs: AOTAutograd's bundled result and the report the cold
+    compilation made (entries and graphs of the other stages)."""
+
+    format: int
+    aot_result: bytes
+    entries: tuple[tuple[str, str, str, tuple[tuple[str, Any], ...]], ...]
+    graphs: tuple[tuple[str, str], ...]
+
+
+def _versions() -> str:
+    """Versions of loom's distributions and the identity of every pipeline stage:
+    a pipeline with another set of stages never shares an entry."""
+    from torchloom._stages import STAGES
+
+    parts = [f"stage={type(s).__module__}.{type(s).__qualname__}" for s in STAGES]
+    for dist in _LOOM_DISTRIBUTIONS:
+        try:
+            parts.append(f"{dist}={importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ";".join(parts)
+
+
+def _program(gm: GraphModule) -> str:
+    """``file:function`` of the user code the graph came from (explanations only)."""
+    for node in gm.graph.nodes:
+        match = _FRAME.findall(node.meta.get("stack_trace") or "")
+        if match:
+            path, fn = match[-1]
+            return f"{os.path.basename(path)}:{fn}"
+    return "graph"
+
+
+def _device(example_inputs: Sequence[Any]) -> torch.device:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
+
+
+def _picklable(data: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    out = []
+    for k, v in data:
+        try:
+            pickle.dumps(v)
+        except Exception:
+            v = repr(v)
+        out.append((k, v))
+    return tuple(out)
+
+
+class CacheStage(PipelineStage):
+    """Looks up and stores whole compilations in ``loom_cache``."""
+
+    name = "cache"
+
+    def _bypass(self, ctx: GraphContext, bypass: loom_cache.CacheBypass) -> None:
+        ctx.state[self.name] = bypass
+        ctx.record.add_entry(
+            "cache", "bypass", str(bypass), kind_=bypass.kind.value, where=bypass.where
+        )
+        if bypass.kind is not loom_cache.CacheBypassKind.DISABLED:
+            log.info("graph %d: %s", ctx.graph_id, bypass)
+
+    def _key(self, ctx: GraphContext) -> loom_cache.CacheKey | loom_cache.CacheBypass:
+        if not ctx.options.cache or os.environ.get("TORCHLOOM_CACHE", "1") == "0":
+            return loom_cache.CacheBypass(
+                loom_cache.CacheBypassKind.DISABLED, "options", "the loom cache is off"
+            )
+        if compat.caches_force_disabled():
+            return loom_cache.CacheBypass(
+                loom_cache.CacheBypassKind.DISABLED,
+                "torch.compiler.config.force_disable_caches",
+                "PyTorch's caches are force-disabled",
+            )
+        hooks = ctx.state.get("hooks")
+        pair = getattr(hooks, "pair", None)
+        hooks_fp = getattr(hooks, "fingerprint", None)
+        if pair is not None and hooks_fp is None:
+            return loom_cache.CacheBypass(
+                loom_cache.CacheBypassKind.UNHASHABLE_CLOSURE,
+                "active saved_tensors_hooks",
+                "the hooks have no process-stable fingerprint",
+                "capture plain values in the hooks, or give captured objects a `cache_hash`",
+            )
+        fp = loom_cache.graph_fingerprint(ctx.dynamo_gm)
+        if fp.bypass is not None:
+            return fp.bypass
+        options = {k: v for k, v in ctx.options.as_dict().items() if k != "cache"}
+        hooks_component = loom_cache.KeyComponent(
+            "hooks",
+            loom_cache.stable_digest(hooks_fp or "none"),
+            "none" if pair is None else f"saved_tensors_hooks {hooks_fp}",
+        )
+        return loom_cache.make_key(
+            _program(ctx.dynamo_gm),
+            fp,
+            device=_device(ctx.example_inputs),
+            backend=("loom", _versions()),
+            options=options,
+            extra=[hooks_component],
+        )
+
+    def wrap_backend(
+        self,
+        ctx: GraphContext,
+        example_inputs: Sequence[Any],
+        compile_cold: Callable[[], Callable[..., Any]],
+    ) -> Callable[..., Any]:
+        try:
+            key = self._key(ctx)
+        except Exception as err:  # the cache never fails a compile
+            log.warning(
+                "graph %d: loom cache key failed, compiling without it: %r", ctx.graph_id, err
+            )
+            key = loom_cache.CacheBypass(
+                loom_cache.CacheBypassKind.UNHASHABLE_CONSTANT,
+                "key",
+                f"{type(err).__name__}: {err}",
+            )
+        if isinstance(key, loom_cache.CacheBypass):
+            self._bypass(ctx, key)
+            return compile_cold()
+        ctx.state[self.name] = key
+        store = cache_store()
+        artifact, reason = self._load(store, key)
+        slot = compat.AotCacheSlot(key=f"loom-{key.digest}")
+        if artifact is not None:
+            slot.load = artifact.aot_result
+        first_entry = len(ctx.record.build().entries)
+        first_graph = len(ctx.record.build().graphs)
+        with compat.aot_cache_slot(slot):
+            compiled = compile_cold()
+        if slot.loaded and artifact is not None:
+            self._replay(ctx, artifact)
+            store.local.record(hit=True)
+            ctx.record.add_entry(
+                "cache",
+                "hit",
+                f"loom cache hit {key.digest[:16]} ({key.program})",
+                digest=key.digest,
+            )
+            return compiled
+        if slot.load_error is not None:
+            reason = f"stored artifact could not be served: {slot.load_error}"
+            log.warning("graph %d: %s", ctx.graph_id, reason)
+        self._miss(ctx, store, key, reason)
+        self._save(ctx, store, key, slot, first_entry, first_graph)
+        return compiled
+
+    def compile(
+        self,
+        ctx: GraphContext,
+        gm: GraphModule,
+        kind: GraphKind,
+        example_inputs: Sequence[Any],
+        static_input_idxs: Sequence[int],
+        codegen: Codegen,
+    ) -> Callable[..., Any] | None:
+        # Eager codegen as a serializable OutputCode, so eager compilations cache too,
+        # unless a later stage takes over compilation itself.
+        if (
+            ctx.options.codegen == "eager"
+            and isinstance(ctx.state.get(self.name), loom_cache.CacheKey)
+            and not _later_stage_compiles(self)
+        ):
+            return compat.EagerOutputCode(gm)
+        return None
+
+    def _load(
+        self, store: loom_cache.TieredStore, key: loom_cache.CacheKey
+    ) -> tuple[Artifact | None, str]:
+        try:
+            found = store.lookup(key.digest)
+        except Exception as err:
+            return None, f"lookup failed: {type(err).__name__}: {err}"
+        if found.entry is None:
+            return None, found.reason
+        try:
+            artifact = pickle.loads(found.entry.payload)
+            if not isinstance(artifact, Artifact) or artifact.format != ARTIFACT_FORMAT:
+                raise TypeError("not a loom artifact of this format")
+        except Exception as err:
+            store.delete(key.digest)
+            return None, f"unreadable artifact: {type(err).__name__}: {err}"
+        return artifact, "hit"
+
+    def _miss(
+        self,
+        ctx: GraphContext,
+        store: loom_cache.TieredStore,
+        key: loom_cache.CacheKey,
+        reason: str,
+    ) -> None:
+        explanation = ""
+        try:
+            store.local.record(hit=False)
+            store.local.record_miss(key)
+            nearest = loom_cache.nearest_key(
+                key, (i.key for i in store.local.entries() if i.key.program == key.program)
+            )
+            if nearest is not None:
+                diffs = loom_cache.explain_miss(key, nearest)
+                explanation = "; ".join(str(d) for d in diffs)
+        except Exception as err:
+            explanation = f"(no explanation: {err})"
+        message = f"loom cache miss {key.digest[:16]} ({key.program}): {reason}"
+        if explanation:
+            message += f"; differs from the nearest entry in {explanation}"
+        ctx.record.add_entry("cache", "miss", message, digest=key.digest)
+        log.info("graph %d: %s", ctx.graph_id, message)
+
+    def _save(
+        self,
+        ctx: GraphContext,
+        store: loom_cache.TieredStore,
+        key: loom_cache.CacheKey,
+        slot: compat.AotCacheSlot,
+        first_entry: int,
+        first_graph: int,
+    ) -> None:
+        record = ctx.record.build()
+        hooks = ctx.state.get("hooks")
+        refused = getattr(hooks, "refused", None)
+        if record.fallback is not None or refused is not None:
+            ctx.record.add_entry("cache", "not-stored", "the compilation fell back; nothing stored")
+            return
+        if slot.saved is None:
+            self._bypass(
+                ctx,
+                loom_cache.CacheBypass(
+                    loom_cache.CacheBypassKind.UNSERIALIZABLE_ARTIFACT,
+                    "AOTAutograd result",
+                    slot.save_error or "AOTAutograd produced no cacheable result",
+                ),
+            )
+            return
+        entries = tuple(
+            (e.area, e.kind, e.message, _picklable(e.data))
+            for e in record.entries[first_entry:]
+            if e.area != "cache"
+        )
+        graphs = record.graphs[first_graph:]
+        artifact = Artifact(ARTIFACT_FORMAT, slot.saved, entries, graphs)
+        try:
+            payload = pickle.dumps(artifact)
+            store.put(loom_cache.Entry(key, payload, (("loom", _versions()),)))
+        except Exception as err:
+            log.warning("graph %d: could not store the compiled artifact: %r", ctx.graph_id, err)
+            ctx.record.add_entry("cache", "not-stored", f"store failed: {err}")
+            return
+        ctx.record.add_entry(
+            "cache", "stored", f"stored {key.digest[:16]} ({len(payload)} bytes)", digest=key.digest
+        )
+
+    def _replay(self, ctx: GraphContext, artifact: Artifact) -> None:
+        for area, kind, message, data in artifact.entries:
+            ctx.record.add_entry(area, kind, message, **dict(data))
+        for kind, code in artifact.graphs:
+            ctx.record.add_graph(kind, code)
+
+
+def _later_stage_compiles(stage: PipelineStage) -> bool:
+    from torchloom._stages import STAGES
+
+    later = STAGES[STAGES.index(stage) + 1 :] if stage in STAGES else []
+    return any(type(s).compile is not PipelineStage.compile for s in later)

@@ -1,0 +1,172 @@
+"""The cache stage end to end: hits skip AOT tracing, partition and codegen and
+return what a cold compile returns; misses say why; nothing about the cache can
+fail a compile."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import loom_cache
+import torchloom
+
+EAGER = {"codegen": "eager"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHLOOM_REMOTE_CACHE", raising=False)
+    monkeypatch.delenv("TORCHLOOM_CACHE", raising=False)
+    torchloom.reset()
+    yield tmp_path / "cache"
+    torchloom.reset()
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def _step(options: dict[str, Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One training step of a fresh compile; returns the loss and the gradients."""
+    torchloom.reset()
+    model = _mlp()
+    compiled = torch.compile(model, backend="loom", options=options)
+    loss = compiled(torch.ones(5, 8)).pow(2).sum()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def _cache_entries() -> list[tuple[str, str]]:
+    return [(e.kind, e.message) for e in torchloom.report().entries("cache")]
+
+
+def _stage_names() -> set[str]:
+    return {s.name for g in torchloom.report() for s in g.stages}
+
+
+def test_second_compile_hits_skips_aot_work_and_matches_the_cold_compile() -> None:
+    cold_loss, cold_grads = _step(EAGER)
+    assert [k for k, _ in _cache_entries()] == ["miss", "stored"]
+    assert "partition" in _stage_names()
+    cold_graphs = [k for g in torchloom.report() for k, _ in g.graphs]
+
+    warm_loss, warm_grads = _step(EAGER)
+    assert [k for k, _ in _cache_entries()] == ["hit"]
+    assert "partition" not in _stage_names()  # no AOT tracing, no partition, no codegen
+    torch.testing.assert_close(warm_loss, cold_loss, rtol=0, atol=0)
+    for a, b in zip(warm_grads, cold_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the report reads as the cold one did: the same graphs are shown
+    assert [k for g in torchloom.report() for k, _ in g.graphs] == cold_graphs
+
+
+def test_other_options_miss_and_the_miss_names_the_option() -> None:
+    _step(EAGER)
+    _step({**EAGER, "resize_remove_chains": False})
+    kinds = [k for k, _ in _cache_entries()]
+    assert kinds == ["miss", "stored"]
+    miss = _cache_entries()[0][1]
+    assert "options: resize_remove_chains: True -> False" in miss
+    _step(EAGER)
+    assert [k for k, _ in _cache_entries()] == ["hit"]
+
+
+def test_cache_off_by_option_or_environment_stores_nothing(
+    _fresh: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _step({**EAGER, "cache": False})
+    assert [k for k, _ in _cache_entries()] == ["bypass"]
+    monkeypatch.setenv("TORCHLOOM_CACHE", "0")
+    _step(EAGER)
+    assert [k for k, _ in _cache_entries()] == ["bypass"]
+    assert list(loom_cache.LocalStore(_fresh).entries()) == []
+
+
+def test_corrupt_entry_is_a_miss_with_a_reason_and_the_compile_is_still_right(_fresh: Path) -> None:
+    cold = _step(EAGER)
+    store = loom_cache.LocalStore(_fresh)
+    (info,) = list(store.entries())
+    path = store.path_of(info.digest)
+    path.write_bytes(path.read_bytes()[:-7])
+    again = _step(EAGER)
+    kind, message = _cache_entries()[0]
+    assert kind == "miss" and "truncated" in message
+    torch.testing.assert_close(again[0], cold[0])
+
+
+def test_artifact_that_fails_to_load_is_a_miss_not_a_failure(_fresh: Path) -> None:
+    _step(EAGER)
+    store = loom_cache.LocalStore(_fresh)
+    (info,) = list(store.entries())
+    # a well-formed entry whose payload is not a loadable artifact
+    store.put(loom_cache.Entry(info.key, b"not a pickle"))
+    loss, _ = _step(EAGER)
+    kind, message = _cache_entries()[0]
+    assert kind == "miss" and "unreadable artifact" in message
+    assert torch.isfinite(loss)
+
+
+def test_unreachable_redis_warns_and_compiles_with_the_local_tier(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE_TIMEOUT", "0.2")
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    _step(EAGER)
+    _step(EAGER)
+    assert [k for k, _ in _cache_entries()] == ["hit"]
+    assert any("remote tier unavailable" in r.getMessage() for r in caplog.records)
+
+
+def test_opaque_call_bypasses_the_cache_and_the_report_says_why() -> None:
+    @torch._dynamo.allow_in_graph
+    def opaque(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    f = torch.compile(lambda x: opaque(x).sin(), backend="loom", options=EAGER)
+    x = torch.randn(4)
+    torch.testing.assert_close(f(x), (x * 2).sin())
+    (entry,) = torchloom.report().entries("cache")
+    assert entry.kind == "bypass" and entry.get("kind_") == "opaque_call"
+    assert "user_cache_hash" in entry.message
+
+
+_PROCESS = r"""
+import torch, torchloom
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+compiled = torch.compile(model, backend="loom", options={"codegen": "eager"})
+loss = compiled(torch.ones(5, 8)).pow(2).sum()
+loss.backward()
+kinds = ",".join(e.kind for e in torchloom.report().entries("cache"))
+grads = ",".join(repr(p.grad.double().sum().item()) for p in model.parameters())
+print(kinds, repr(loss.item()), grads)
+"""
+
+
+def test_second_process_gets_a_full_hit_with_identical_outputs_and_gradients(
+    _fresh: Path,
+) -> None:
+    env = {**os.environ, "TORCHLOOM_CACHE_DIR": str(_fresh)}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _PROCESS],
+            env={**env, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        for seed in ("1", "2")
+    ]
+    assert runs[0][0] == "miss,stored" and runs[1][0] == "hit"
+    assert runs[0][1:] == runs[1][1:]
