@@ -313,6 +313,7 @@ def append_results(
     env_line = ", ".join(
         f"{k} {env[k]}"
         for k in (
+            "device",
             "device_name",
             "compute_capability",
             "torch",
