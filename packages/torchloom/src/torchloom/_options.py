@@ -42,6 +42,14 @@ class LoomOptions:
     strict: bool = False
     #: Run graphs as CUDA graphs (``mode="reduce-overhead"`` sets this).
     cudagraphs: bool = False
+    #: Raise when CUDA work would run outside a CUDA graph (env ``TORCHLOOM_CUDAGRAPH_OR_ERROR``).
+    cudagraph_or_error: bool = False
+    #: CUDA-graph recordings per segment and shape (a new one per static-input address set).
+    cudagraph_max_recording: int = 5
+    #: Captured segments with fewer work nodes run uncaptured (capture would not pay).
+    cudagraph_min_segment_nodes: int = 1
+    #: Distinct input shapes recorded per segment before new shapes run uncaptured.
+    cudagraph_max_shapes: int = 8
     #: Inductor's max-autotune (``mode="max-autotune"`` sets this).
     max_autotune: bool = False
     #: Place active ``saved_tensors_hooks`` inside compiled graphs (False: run them eagerly).
@@ -50,9 +58,6 @@ class LoomOptions:
     saved_tensor_hooks_scope: Literal["all", "activations"] = "all"
     #: Remove ``resize_(full) -> copy_ -> resize_(0)`` chains on FSDP-style parameters.
     resize_remove_chains: bool = True
-    #: Reuse compiled graphs across processes through loom's cache (local store,
-    #: plus Redis when ``TORCHLOOM_REMOTE_CACHE`` is set). ``TORCHLOOM_CACHE=0`` turns it off.
-    cache: bool = True
 
     def changed(self, **updates: Any) -> LoomOptions:
         """A copy with ``updates`` applied and validated."""

@@ -153,6 +153,7 @@ from torchloom._stage_resize import ResizeStage  # noqa: E402
 
 STAGES.append(ResizeStage())
 
-from torchloom._stage_cache import CacheStage  # noqa: E402
+# NOTE: before the cache stage, whose eager OutputCode would otherwise take over compile.
+from torchloom._stage_cudagraph import CudagraphStage  # noqa: E402
 
-STAGES.append(CacheStage())
+STAGES.append(CudagraphStage())

@@ -1,0 +1,139 @@
+"""The CUDA-graph stage end to end on CPU: ``HostCapturer`` stands in for CUDA
+graphs (a replay overwrites the recorded outputs in place), so planning,
+segment codegen, the runtime and the report are checked against eager
+without a GPU. The GPU versions live in tests_integration/test_cudagraph_e2e.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import loom_cudagraph
+import torchloom
+from torchloom._stage_cudagraph import CudagraphStage
+from torchloom._stages import STAGES
+
+CG = {"codegen": "eager", "cudagraphs": True}
+
+
+@pytest.fixture
+def host_stage() -> Iterator[loom_cudagraph.HostCapturer]:
+    """Swap the stage for one that captures host graphs with HostCapturer."""
+    index = next(i for i, s in enumerate(STAGES) if isinstance(s, CudagraphStage))
+    original = STAGES[index]
+    capturer = loom_cudagraph.HostCapturer()
+    STAGES[index] = CudagraphStage(capturer=capturer, device="cpu")
+    torchloom.reset()
+    loom_cudagraph.reset_skip_counts()
+    yield capturer
+    STAGES[index] = original
+    torchloom.reset()
+
+
+@pytest.fixture
+def sin_is_host_op() -> Iterator[None]:
+    loom_cudagraph.mark_non_capturable(torch.ops.aten.sin, "stands in for a host op")
+    yield
+    loom_cudagraph.unmark_non_capturable(torch.ops.aten.sin)
+
+
+def _segments(area_entries: Any) -> list[tuple[str, bool]]:
+    return [(e.get("graph"), e.get("captured")) for e in area_entries if e.kind == "segment"]
+
+
+def test_inference_replays_match_eager(host_stage: loom_cudagraph.HostCapturer) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w) * 2
+
+    compiled = torch.compile(f, backend="loom", options=CG)
+    w = torch.randn(4, 4)
+    for _ in range(5):
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(compiled(x, w), f(x, w))
+    assert host_stage.captures >= 1 and host_stage.replays >= 3
+    segs = _segments(torchloom.report().entries("cudagraph"))
+    assert segs and all(captured for _, captured in segs)
+
+
+def test_training_step_matches_eager_outputs_and_gradients(
+    host_stage: loom_cudagraph.HostCapturer, sin_is_host_op: None
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref.load_state_dict(model.state_dict())
+
+    def step(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).sin().sum()
+
+    compiled = torch.compile(lambda x: step(model, x), backend="loom", options=CG)
+    for _ in range(4):
+        x = torch.randn(3, 4)
+        loss = compiled(x)
+        loss.backward()
+        ref_loss = step(ref, x)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+    graphs = {g for g, _ in _segments(torchloom.report().entries("cudagraph"))}
+    assert any("forward" in g for g in graphs) and any("backward" in g for g in graphs)
+    assert [captured for _, captured in _segments(torchloom.report().entries("cudagraph"))].count(
+        False
+    ) >= 1
+    assert host_stage.replays > 0
+
+
+def test_gradient_accumulation_over_several_forwards(
+    host_stage: loom_cudagraph.HostCapturer,
+) -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    ref = torch.nn.Linear(4, 4)
+    ref.load_state_dict(lin.state_dict())
+    compiled = torch.compile(lambda x: lin(x).tanh().sum(), backend="loom", options=CG)
+    for _ in range(3):
+        xs = [torch.randn(2, 4) for _ in range(3)]
+        losses = [compiled(x) for x in xs]  # three forwards before any backward
+        sum(losses).backward()
+        sum(ref(x).tanh().sum() for x in xs).backward()
+        torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+        torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
+
+
+def test_or_error_raises_naming_the_op(
+    host_stage: loom_cudagraph.HostCapturer, sin_is_host_op: None
+) -> None:
+    compiled = torch.compile(
+        lambda x: (x + 1).sin() * 2, backend="loom", options={**CG, "cudagraph_or_error": True}
+    )
+    with pytest.raises(Exception, match=r"aten\.sin\.default.*user_marked"):
+        compiled(torch.randn(3))
+
+
+def test_or_error_environment_variable(
+    host_stage: loom_cudagraph.HostCapturer, sin_is_host_op: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHLOOM_CUDAGRAPH_OR_ERROR", "1")
+    compiled = torch.compile(lambda x: (x + 1).sin() * 2, backend="loom", options=CG)
+    with pytest.raises(Exception, match=r"cudagraph_or_error"):
+        compiled(torch.randn(3))
+
+
+def test_options_map_reduce_overhead_to_cudagraphs() -> None:
+    opts = torchloom.resolve_options(mode="reduce-overhead", env={})
+    assert opts.cudagraphs and opts.cudagraph_max_recording == 5
+    env = {"TORCHLOOM_CUDAGRAPH_OR_ERROR": "1", "TORCHLOOM_CUDAGRAPH_MAX_SHAPES": "3"}
+    opts = torchloom.resolve_options(env=env)
+    assert opts.cudagraph_or_error and opts.cudagraph_max_shapes == 3
+
+
+def test_without_cudagraphs_the_stage_does_nothing(host_stage: loom_cudagraph.HostCapturer) -> None:
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="loom", options={"codegen": "eager"})
+    x = torch.randn(3)
+    torch.testing.assert_close(compiled(x), x * 2 + 1)
+    assert host_stage.captures == 0
+    assert torchloom.report().entries("cudagraph") == ()
