@@ -15,10 +15,12 @@ from loom_sidefx import (
     MutationType,
     ObjKind,
     Original,
+    Roots,
     SideEffectRefusal,
     SideEffectRefused,
     SideEffects,
     TensorSlot,
+    compile_guards,
     concrete,
 )
 
@@ -252,3 +254,67 @@ def test_rollback_forgets_what_a_speculative_trace_recorded() -> None:
     assert [op.kind.value for op in plan.ops] == ["list_append"]
     again = se.track_existing(d, GlobalSource("d"))
     assert again.index == d_ref.index, "refs are handed out again from the checkpoint"
+
+
+def test_appending_observes_nothing_so_a_growing_list_needs_no_guard() -> None:
+    se = SideEffects()
+    xs = se.track_existing([1, 2], GlobalSource("xs"))
+    se.list_append(xs, 3)
+    se.list_extend(xs, [4])
+    se.list_insert(xs, 0, 0)
+    assert se.observed_guards() == ()
+
+
+def test_reading_list_items_by_position_observes_the_length() -> None:
+    g: dict[str, Any] = {"xs": [1, 2]}
+    se = SideEffects()
+    xs = se.track_existing(g["xs"], GlobalSource("xs"))
+    last = se.list_items(xs)[-1]
+    se.list_append(se.track_existing([], GlobalSource("ys")), last)
+    (guard,) = se.observed_guards()
+    assert guard.describe() == "len(G['xs']) == 2"
+    check = compile_guards(se.observed_guards())
+    assert check(Roots((), g))
+    g["xs"].append(3)
+    assert not check(Roots((), g)), "xs[-1] would now be another item"
+
+
+def test_dict_reads_observe_presence_absence_and_key_order() -> None:
+    g: dict[str, Any] = {"d": {"a": 1}}
+    se = SideEffects()
+    d = se.track_existing(g["d"], GlobalSource("d"))
+    se.dict_lookup(d, "a")
+    se.dict_lookup(d, "zz")
+    se.dict_setitem(d, "w", 1)
+    se.dict_lookup(d, "w")  # written by the trace: nothing observed
+    se.dict_pop(d, "q", None)
+    se.dict_items(d)
+    assert [g_.describe() for g_ in se.observed_guards()] == [
+        "present(G['d']['a'])",
+        "absent(G['d']['zz'])",
+        "absent(G['d']['q'])",
+        "keys(G['d']) == ('a',)",
+    ]
+    check = compile_guards(se.observed_guards())
+    assert check(Roots((), g))
+    assert not check(Roots((), {"d": {"a": 1, "zz": 2}}))
+    assert not check(Roots((), {"d": {}}))
+
+
+def test_a_cleared_dict_observes_no_keys_afterwards() -> None:
+    se = SideEffects()
+    d = se.track_existing({"a": 1}, GlobalSource("d"))
+    se.dict_clear(d)
+    assert se.dict_lookup(d, "a") is Missing.ABSENT
+    assert se.observed_guards() == ()
+
+
+def test_reading_a_set_observes_its_elements() -> None:
+    g: dict[str, Any] = {"s": {1, "b"}}
+    se = SideEffects()
+    s = se.track_existing(g["s"], GlobalSource("s"))
+    assert set(se.set_items(s)) == {1, "b"}
+    (guard,) = se.observed_guards()
+    assert guard.describe() == "same_elements{'b', 1}(G['s'])"
+    check = compile_guards(se.observed_guards())
+    assert check(Roots((), g)) and not check(Roots((), {"s": {1}}))

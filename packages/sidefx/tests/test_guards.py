@@ -177,3 +177,16 @@ def test_object_sources_hold_their_root_by_identity() -> None:
     assert not check(roots())
     assert ObjectSource(namespace, "l") == ObjectSource(namespace, "l")
     assert ObjectSource(namespace, "l") != ObjectSource({"x": 2}, "l")
+
+
+def test_present_guard_is_the_dual_of_absent() -> None:
+    check = compile_guards(
+        [
+            Guard(GuardKind.PRESENT, GlobalSource("x"), None),
+            Guard(GuardKind.PRESENT, ItemSource(GlobalSource("d"), "k"), None),
+            Guard(GuardKind.PRESENT, AttrSource(ArgSource(0), "items"), None),
+        ]
+    )
+    assert check(roots(x=1, d={"k": 0}))
+    assert not check(roots(d={"k": 0}))
+    assert not check(roots(x=1, d={}))

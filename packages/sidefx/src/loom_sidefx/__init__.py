@@ -1,7 +1,14 @@
 """Symbolic values with a mutation type, the side-effect log of a traced hook, pruning of dead new objects, and the replay plan that applies recorded side effects, in program order, after a compiled graph runs. Pure Python: it never imports torch."""
 
 from ._builder import Checkpoint, SideEffects
-from ._guards import Guard, GuardKind, GuardPredicate, compile_guards, constant_guard
+from ._guards import (
+    Guard,
+    GuardKind,
+    GuardPredicate,
+    SameElements,
+    compile_guards,
+    constant_guard,
+)
 from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
 from ._refusals import SideEffectRefusal, SideEffectRefused, Unsupported
 from ._replay import PlanCheckError, ReplayPlan, checks_enabled
@@ -61,6 +68,7 @@ __all__ = [
     "Ref",
     "ReplayPlan",
     "Roots",
+    "SameElements",
     "SideEffectRefusal",
     "SideEffectRefused",
     "SideEffects",

@@ -17,6 +17,7 @@ import types
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
+from ._guards import Guard, GuardKind, SameElements
 from ._kinds import BASE_OF_KIND, attr_refusal, has_instance_attr, kind_of, materialize_refusal
 from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
 from ._refusals import SideEffectRefusal, SideEffectRefused, Unsupported
@@ -55,6 +56,7 @@ class _Entry:
         "ref",
         "source",
         "state",
+        "touched",
     )
 
     def __init__(self, ref: Ref, obj: object, source: Source | None, cls: type) -> None:
@@ -68,6 +70,7 @@ class _Entry:
         self.attrs: dict[str, Value] = {}
         self.cell: Value = Missing.ABSENT
         self.function: FunctionSpec | None = None
+        self.touched: set[Any] | None = set()  # dict keys the trace wrote (None: all)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +83,7 @@ class Checkpoint:
     globals: tuple[tuple[str, Value], ...]
     num_slots: int
     states: tuple[tuple[Any, ...], ...] = dataclasses.field(repr=False)
+    observed: tuple[Guard, ...] = ()
 
 
 class SideEffects:
@@ -104,6 +108,7 @@ class SideEffects:
         self._mutated: set[int] = set()
         self._globals: dict[str, Value] = {}
         self._num_slots = 0
+        self._observed: dict[Guard, None] = {}
         self.where = ""
 
     # ------------------------------------------------------------------ tracking
@@ -221,21 +226,33 @@ class SideEffects:
     def list_items(self, ref: Ref) -> tuple[Value, ...]:
         """Current symbolic items of a tracked list."""
         entry = self._container(ref, ObjKind.LIST)
+        self._observe_length(entry)
         return tuple(self._view(v) for v in entry.items)
 
     def dict_items(self, ref: Ref) -> tuple[tuple[Any, Value], ...]:
         """Current symbolic ``(key, value)`` pairs of a tracked dict, in order."""
-        d = self._dict_of(self._container(ref, ObjKind.DICT))
-        return tuple((k, self._view(v)) for k, v in d.items())
+        entry = self._container(ref, ObjKind.DICT)
+        if entry.touched is not None and entry.source is not None and not ref.is_new:
+            live: Any = entry.obj
+            keys = tuple(dict.keys(live))
+            self._observe(Guard(GuardKind.DICT_KEYS, entry.source, keys))
+        return tuple((k, self._view(v)) for k, v in entry.mapping.items())
 
     def dict_lookup(self, ref: Ref, key: Any) -> Value:
         """``d[key]`` in the current symbolic state, or ``Missing.ABSENT``."""
-        d = self._dict_of(self._container(ref, ObjKind.DICT))
-        return self._view(d.get(self._key(key), Missing.ABSENT))
+        entry = self._container(ref, ObjKind.DICT)
+        key = self._key(key)
+        self._observe_key(entry, key)
+        return self._view(entry.mapping.get(key, Missing.ABSENT))
 
     def set_items(self, ref: Ref) -> tuple[Any, ...]:
         """Current symbolic elements of a tracked set (constants, in insertion order)."""
-        return tuple(self._dict_of(self._container(ref, ObjKind.SET)))
+        entry = self._container(ref, ObjKind.SET)
+        if not ref.is_new and entry.source is not None:
+            obj: Any = entry.obj
+            elements = frozenset(set.__iter__(obj))
+            self._observe(Guard(GuardKind.PREDICATE, entry.source, SameElements(elements)))
+        return tuple(entry.mapping)
 
     def load_attr(self, ref: Ref, name: str) -> Value:
         """An instance attribute in the current symbolic state.
@@ -346,9 +363,10 @@ class SideEffects:
 
     # -------------------------------------------------------------------- dicts
     def dict_setitem(self, ref: Ref, key: Any, value: Value) -> None:
-        d = self._dict_of(self._mutable(ref, ObjKind.DICT))
+        entry = self._mutable(ref, ObjKind.DICT)
         key, value = self._key(key), self._value(value)
-        d[key] = value
+        entry.mapping[key] = value
+        self._touch(entry, key)
         self._log(OpKind.DICT_SETITEM, ref, key, (value,))
 
     def dict_delitem(self, ref: Ref, key: Any) -> None:
@@ -356,13 +374,15 @@ class SideEffects:
 
     def dict_pop(self, ref: Ref, key: Any, default: Value = _NO_DEFAULT) -> Value:
         """``d.pop(key[, default])``; returns the popped value (or ``default``)."""
-        d = self._dict_of(self._mutable(ref, ObjKind.DICT))
+        entry = self._mutable(ref, ObjKind.DICT)
         key = self._key(key)
-        if key not in d:
+        self._observe_key(entry, key)
+        if key not in entry.mapping:
             if default is _NO_DEFAULT:
                 self._refuse(SideEffectRefusal.WOULD_RAISE, f"key {key!r} is missing: KeyError")
             return default
-        value = d.pop(key)
+        value = entry.mapping.pop(key)
+        self._touch(entry, key)
         self._log(OpKind.DICT_DELITEM, ref, key)
         return self._view(value)
 
@@ -382,7 +402,9 @@ class SideEffects:
         return self.dict_lookup(ref, key)
 
     def dict_clear(self, ref: Ref) -> None:
-        self._dict_of(self._mutable(ref, ObjKind.DICT)).clear()
+        entry = self._mutable(ref, ObjKind.DICT)
+        entry.mapping.clear()
+        entry.touched = None
         self._log(OpKind.DICT_CLEAR, ref)
 
     # --------------------------------------------------------------------- sets
@@ -399,7 +421,8 @@ class SideEffects:
         self._log(OpKind.SET_DISCARD, ref, element)
 
     def set_remove(self, ref: Ref, element: Any) -> None:
-        if self._key(element) not in self._dict_of(self._mutable(ref, ObjKind.SET)):
+        self._mutable(ref, ObjKind.SET)
+        if self._key(element) not in self.set_items(ref):
             self._refuse(
                 SideEffectRefusal.WOULD_RAISE, f"set element {element!r} is missing: KeyError"
             )
@@ -443,6 +466,40 @@ class SideEffects:
         entry.cell = Missing.ABSENT
         self._log(OpKind.DEL_CELL, ref)
 
+    def observed_guards(self) -> tuple[Guard, ...]:
+        """Guards on what the views and checked ops observed of pre-existing containers.
+
+        A list's items read by position, or a pop/setitem/delitem whose
+        validity depends on the length: a LENGTH guard. A dict's items
+        enumerated: DICT_KEYS. A key looked up (or popped) that the trace did not
+        write: PRESENT or ABSENT. A set's elements read: the same elements.
+        Add them to the tracer's own guards.
+        """
+        return tuple(self._observed)
+
+    def _observe(self, guard: Guard) -> None:
+        self._observed.setdefault(guard, None)
+
+    def _observe_length(self, entry: _Entry) -> None:
+        if not entry.ref.is_new and entry.source is not None:
+            obj: Any = entry.obj
+            n = list.__len__(obj)
+            self._observe(Guard(GuardKind.LENGTH, entry.source, n))
+
+    def _observe_key(self, entry: _Entry, key: Any) -> None:
+        if entry.ref.is_new or entry.source is None:
+            return
+        if entry.touched is None or key in entry.touched:
+            return
+        obj: Any = entry.obj
+        present = dict.__contains__(obj, key)
+        kind = GuardKind.PRESENT if present else GuardKind.ABSENT
+        self._observe(Guard(kind, ItemSource(entry.source, key), None))
+
+    def _touch(self, entry: _Entry, key: Any) -> None:
+        if entry.touched is not None:
+            entry.touched.add(key)
+
     # ------------------------------------------------------------ speculation
     def checkpoint(self) -> Checkpoint:
         """Snapshot the log, to :meth:`rollback` to if a speculative trace is abandoned."""
@@ -454,6 +511,7 @@ class SideEffects:
                 dict(e.mapping),
                 dict(e.attrs),
                 e.cell,
+                None if e.touched is None else set(e.touched),
             )
             for e in self._entries
         )
@@ -464,6 +522,7 @@ class SideEffects:
             tuple(self._globals.items()),
             self._num_slots,
             states,
+            tuple(self._observed),
         )
 
     def rollback(self, cp: Checkpoint) -> None:
@@ -476,11 +535,13 @@ class SideEffects:
         self._mutated = set(cp.mutated)
         self._globals = dict(cp.globals)
         self._num_slots = cp.num_slots
-        for entry, (source, state, items, mapping, attrs, cell) in zip(
+        self._observed = dict.fromkeys(cp.observed)
+        for entry, (source, state, items, mapping, attrs, cell, touched) in zip(
             self._entries, cp.states, strict=True
         ):
             entry.source, entry.state, entry.cell = source, state, cell
             entry.items, entry.mapping, entry.attrs = list(items), dict(mapping), dict(attrs)
+            entry.touched = None if touched is None else set(touched)
 
     # -------------------------------------------------------------------- build
     def build(self, results: tuple[Value, ...] = ()) -> ReplayPlan:
@@ -681,6 +742,7 @@ class SideEffects:
         )
 
     def _index(self, entry: _Entry, index: int, what: str) -> None:
+        self._observe_length(entry)
         if type(index) is not int:
             self._refuse(SideEffectRefusal.UNSUPPORTED_KEY, f"list index {index!r} is not an int")
         n = len(entry.items)

@@ -21,7 +21,14 @@ from ._ops import describe_type
 from ._sources import AttrSource, GlobalSource, ItemSource, Roots, Source
 from ._values import is_constant
 
-__all__ = ["Guard", "GuardKind", "GuardPredicate", "compile_guards", "constant_guard"]
+__all__ = [
+    "Guard",
+    "GuardKind",
+    "GuardPredicate",
+    "SameElements",
+    "compile_guards",
+    "constant_guard",
+]
 
 
 class GuardKind(enum.Enum):
@@ -38,6 +45,9 @@ class GuardKind(enum.Enum):
     #: The last step of the source does not resolve: the global, dict key or
     #: attribute is absent (``expected`` is None).
     ABSENT = "absent"
+    #: The last step of the source resolves: the global, dict key or attribute
+    #: is present (``expected`` is None).
+    PRESENT = "present"
     #: ``value is`` the object at another source (``expected`` is that Source).
     SAME_AS = "same_as"
     #: ``tuple(value) == expected``: a dict's keys, in order (constants).
@@ -73,10 +83,10 @@ class Guard:
             raise TypeError("TYPE guard needs a class")
         if self.kind is GuardKind.LENGTH and type(self.expected) is not int:
             raise TypeError("LENGTH guard needs an int")
-        if self.kind is GuardKind.ABSENT and not isinstance(
+        if self.kind in (GuardKind.ABSENT, GuardKind.PRESENT) and not isinstance(
             self.source, GlobalSource | ItemSource | AttrSource
         ):
-            raise TypeError("ABSENT guard needs a global, item or attribute source")
+            raise TypeError(f"{self.kind.name} guard needs a global, item or attribute source")
         if self.kind is GuardKind.SAME_AS and not isinstance(self.expected, Source):
             raise TypeError("SAME_AS guard needs a Source")
         if self.kind is GuardKind.DICT_KEYS and not (
@@ -117,6 +127,8 @@ class Guard:
             return f"len({src}) == {self.expected}"
         if self.kind is GuardKind.ABSENT:
             return f"absent({src})"
+        if self.kind is GuardKind.PRESENT:
+            return f"present({src})"
         if self.kind is GuardKind.SAME_AS:
             return f"{src} is {self.expected.describe()}"
         if self.kind is GuardKind.DICT_KEYS:
@@ -150,8 +162,9 @@ def compile_guards(guards: Sequence[Guard]) -> Callable[[Roots], bool]:
     em = Emitter("        ")
     em.namespace["_same"] = _same_constant
     for guard in dict.fromkeys(guards):
-        if guard.kind is GuardKind.ABSENT:
-            em.emit(f"if not ({_absent(guard.source, em)}):")
+        if guard.kind in (GuardKind.ABSENT, GuardKind.PRESENT):
+            cond = _present(guard.source, em)
+            em.emit(f"if {cond}:" if guard.kind is GuardKind.ABSENT else f"if not ({cond}):")
             em.emit("    return False")
             continue
         v = em.source(guard.source)
@@ -191,10 +204,24 @@ def compile_guards(guards: Sequence[Guard]) -> Callable[[Roots], bool]:
     return check
 
 
-def _absent(src: Source, em: Emitter) -> str:
+def _present(src: Source, em: Emitter) -> str:
+    """An expression that is true when the source's last step resolves."""
     if isinstance(src, GlobalSource):
-        return f"{em.const(src.name)} not in g"
+        return f"{em.const(src.name)} in g"
     if isinstance(src, ItemSource):
-        return f"{em.const(src.key)} not in {em.source(src.base)}"
+        return f"{em.const(src.key)} in {em.source(src.base)}"
     assert isinstance(src, AttrSource)
-    return f"not hasattr({em.source(src.base)}, {em.const(src.name)})"
+    return f"hasattr({em.source(src.base)}, {em.const(src.name)})"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SameElements:
+    """A :class:`GuardPredicate`: the set at the source holds exactly these constants."""
+
+    elements: frozenset[Any]
+
+    def __call__(self, value: Any) -> bool:
+        return isinstance(value, set | frozenset) and value == self.elements
+
+    def describe(self) -> str:
+        return "same_elements{" + ", ".join(sorted(repr(e) for e in self.elements)) + "}"
