@@ -58,6 +58,9 @@ class LoomOptions:
     saved_tensor_hooks_scope: Literal["all", "activations"] = "all"
     #: Remove ``resize_(full) -> copy_ -> resize_(0)`` chains on FSDP-style parameters.
     resize_remove_chains: bool = True
+    #: Reuse compiled graphs across processes through loom's cache (local store,
+    #: plus Redis when ``TORCHLOOM_REMOTE_CACHE`` is set). ``TORCHLOOM_CACHE=0`` turns it off.
+    cache: bool = True
 
     def changed(self, **updates: Any) -> LoomOptions:
         """A copy with ``updates`` applied and validated."""

@@ -157,3 +157,7 @@ STAGES.append(ResizeStage())
 from torchloom._stage_cudagraph import CudagraphStage  # noqa: E402
 
 STAGES.append(CudagraphStage())
+
+from torchloom._stage_cache import CacheStage  # noqa: E402
+
+STAGES.append(CacheStage())

@@ -8,6 +8,7 @@ stage that needs them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,16 +20,21 @@ import torch._inductor.config as inductor_config
 from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 from torch._dynamo.backends.registry import register_backend as _register_backend
 from torch._guards import TracingContext, detect_fake_mode, tracing
+from torch._inductor.output_code import OutputCode as _OutputCode
 from torch._inductor.utils import BoxedBool
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 
 __all__ = [
+    "AotCacheSlot",
     "BoxedBool",
+    "EagerOutputCode",
     "aot_autograd",
+    "aot_cache_slot",
     "backend_registered",
     "boxed_graph_callable",
+    "caches_force_disabled",
     "codegen_context",
     "dynamo_reset",
     "eager_partition",
@@ -192,6 +198,148 @@ def static_input_indices(
         return list(range(count_tangents(gm)))
     fixed = num_fw_fixed_arguments(num_dynamo_inputs, len(example_inputs))
     return list(_compile_fx.get_static_input_idxs(fixed))
+
+
+# --- loom cache: AOTAutograd's result slots ------------------------------------------------
+#
+# PyTorch's AOTAutogradCache only serves Inductor's own compiler. The cache stage reuses its
+# machinery for loom's compilers: during one compilation, AOTAutograd's try_load / make_entry /
+# save slots are routed to an AotCacheSlot, so a miss captures the bundled result (runtime
+# metadata, wrappers, serialized compiled forward/backward) and a hit rebuilds the runtime
+# from it without tracing, partitioning or codegen. Nothing reaches PyTorch's own cache.
+
+
+@dataclasses.dataclass
+class AotCacheSlot:
+    """One compilation's exchange with AOTAutograd's cache slots.
+
+    ``load``: a pickled result to serve (a hit), or ``None``. After the
+    compilation: ``loaded`` says whether it was served; ``load_error`` why not;
+    ``saved`` holds the pickled result of a cold compilation, ``save_error`` why
+    there is none.
+    """
+
+    key: str
+    load: bytes | None = None
+    loaded: bool = False
+    load_error: str | None = None
+    saved: bytes | None = None
+    save_error: str | None = None
+
+
+class EagerOutputCode(_OutputCode):
+    """A boxed eager graph as an Inductor ``OutputCode``, so AOTAutograd can bundle
+    an eager-codegen result like an Inductor one. It runs exactly as
+    :func:`boxed_graph_callable`; pickling stores a copy of its graph with the
+    standard code generator and no metadata."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        super().__init__()
+        # An instance attribute: wrappers (functools.wraps) copy __dict__ only.
+        self._boxed_call = True
+        self.gm = gm
+        self._fn: Callable[[list[Any]], Any] | None = boxed_graph_callable(gm)
+
+    def __call__(self, inputs: Sequence[Any]) -> Any:
+        if self._fn is None:
+            self._fn = boxed_graph_callable(self.gm)
+        return self._fn(inputs)  # type: ignore[arg-type]
+
+    def prepare_for_serialization(self) -> None:
+        pass  # __getstate__ drops the callable
+
+    def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
+        pass
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(self.gm.graph, {}))
+        for node in graph.nodes:
+            node.meta = {}
+        return {**self.__dict__, "_fn": None, "gm": GraphModule(self.gm, graph)}
+
+
+@contextlib.contextmanager
+def aot_cache_slot(slot: AotCacheSlot) -> Iterator[None]:
+    """Route AOTAutograd's cache slots to ``slot`` for the compilation inside."""
+    import pickle
+    import time
+
+    from torch._functorch._aot_autograd import autograd_cache as ac
+    from torch._functorch._aot_autograd.schemas import AOTAutogradCacheInfo
+    from torch.fx.experimental.symbolic_shapes import size_hint
+
+    cache = ac.AOTAutogradCache
+    original_make_entry = cache.make_entry
+
+    def try_load(
+        mod: Any,
+        args: list[Any],
+        aot_config: Any,
+        cudagraphs: Any,
+        boxed_forward_device_index: Any,
+        local: bool,
+        remote: bool,
+    ) -> Any:
+        symints = cache._filter_backed_symints(args)
+        if slot.load is not None:
+            try:
+                entry = pickle.loads(slot.load)
+                guards = entry.guards_expr
+                if guards and not cache.evaluate_guards(guards, [size_hint(s) for s in symints]):
+                    raise LookupError(f"shape guards of the stored entry fail: {guards}")
+                fx_config = {
+                    "cudagraphs": cudagraphs,
+                    "boxed_forward_device_index": boxed_forward_device_index,
+                }
+                compiled = entry.wrap_post_compile(args, aot_config, fx_config)
+                slot.loaded = True
+                return compiled
+            except Exception as err:  # a bad entry is a miss, never a failed compile
+                slot.load_error = f"{type(err).__name__}: {err}"
+        aot_config.cache_info = AOTAutogradCacheInfo(slot.key, time.time_ns(), symints)
+        return None
+
+    def make_entry(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original_make_entry(*args, **kwargs)
+        except Exception as err:
+            slot.save_error = f"the compiled graphs are not serializable: {err}"
+            return None
+
+    def save(key: str, entry: Any, remote: bool) -> None:
+        if entry is None or key != slot.key:
+            return
+        try:
+            entry.pre_save()
+            slot.saved = pickle.dumps(entry)
+        except Exception as err:
+            slot.save_error = f"{type(err).__name__}: {err}"
+
+    saved_attrs = {name: cache.__dict__[name] for name in ("try_load", "make_entry", "save")}
+    try:
+        cache.try_load = staticmethod(try_load)  # type: ignore[method-assign,assignment]
+        cache.make_entry = staticmethod(make_entry)  # type: ignore[method-assign,assignment]
+        cache.save = staticmethod(save)  # type: ignore[method-assign,assignment]
+        with functorch_config.patch(
+            force_autograd_cache=True,
+            bundled_autograd_cache=True,
+            enable_autograd_cache=True,
+            # Compile the backward now, so that the entry is complete when we store it.
+            force_non_lazy_backward_lowering=True,
+        ):
+            yield
+    finally:
+        for name, value in saved_attrs.items():
+            setattr(cache, name, value)
+
+
+def caches_force_disabled() -> bool:
+    """``torch.compiler.config.force_disable_caches`` (loom's cache honours it)."""
+    return bool(torch.compiler.config.force_disable_caches)
 
 
 # --- loom cudagraph: segment codegen inside one AOT graph -----------------------------------
