@@ -11,7 +11,16 @@ from typing import Any
 import pytest
 
 from loom_cells import CellModel, CellRefusal, CellRefused, FrameCells, GuardKind, compile_guards
-from loom_sidefx import ArgSource, GlobalSource, Missing, Original, Roots, SideEffects, concrete
+from loom_sidefx import (
+    ArgSource,
+    Computed,
+    GlobalSource,
+    Missing,
+    Original,
+    Roots,
+    SideEffects,
+    concrete,
+)
 
 
 def code_of(fn: Callable[..., Any] | types.CodeType, name: str) -> types.CodeType:
@@ -291,3 +300,40 @@ def test_guard_policy_chooses_how_reads_are_guarded() -> None:
         "closure[0:scale].cell_contents == 2.5",
     ]
     assert compile_guards(cells.guards())(Roots.of(hook, ()))  # type: ignore[arg-type]
+
+
+def make_caller() -> Callable[[], int]:
+    total = 0
+
+    def hook() -> int:
+        step = 3
+
+        def add() -> None:
+            nonlocal total
+            total += step
+
+        add()
+        add()
+        return total
+
+    return hook
+
+
+def test_calling_a_function_the_trace_created_shares_its_cells() -> None:
+    hook = make_caller()
+    se = SideEffects()
+    cells = CellModel(se)
+    root = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
+    root.make_cell("step")
+    root.store("step", 3)
+    add = root.make_function(code_of(hook, "add"))
+    for _ in range(2):
+        frame = FrameCells.for_new_function(cells, add)
+        total = frame.load("total", guard=False)
+        frame.store("total", Computed("+", total, frame.load("step")))
+    plan = se.build((root.load("total"),))
+    assert cells.guards() == ()
+    replayed, real = make_caller(), make_caller()
+    assert plan.apply(Roots.of(replayed, ())) == (real(),)  # type: ignore[arg-type]
+    assert cells_of(replayed) == cells_of(real) == {"total": 6}
+    assert plan.apply(Roots.of(replayed, ())) == (real(),)  # type: ignore[arg-type]

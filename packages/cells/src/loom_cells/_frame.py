@@ -50,6 +50,12 @@ class FrameCells:
         """The root frame of the traced hook: free variables are its real closure cells."""
         return cls(model, fn.__code__, model.hook_closure(fn))
 
+    @classmethod
+    def for_new_function(cls, model: CellModel, fn: Ref) -> FrameCells:
+        """The frame of a call to a function the trace created (its closure are modeled cells)."""
+        spec = model.side_effects.function_spec(fn)
+        return cls(model, spec.code, tuple(model.cell_for(r) for r in spec.closure))
+
     def make_cell(self, name: str, contents: Value = Missing.ABSENT) -> Cell:
         """``MAKE_CELL``: a new cell for ``name`` holding the local's current value (if any)."""
         cell = self.model.new_cell(name, contents)
@@ -80,9 +86,9 @@ class FrameCells:
     def names(self) -> tuple[str, ...]:
         return tuple(self._cells)
 
-    def load(self, name: str) -> Value:
-        """``LOAD_DEREF name``."""
-        return self.model.load(self.cell(name))
+    def load(self, name: str, *, guard: bool = True) -> Value:
+        """``LOAD_DEREF name`` (see :meth:`CellModel.load` for ``guard``)."""
+        return self.model.load(self.cell(name), guard=guard)
 
     def store(self, name: str, value: Value) -> None:
         """``STORE_DEREF name``."""

@@ -81,7 +81,7 @@ class CellModel:
         se = SideEffects()
         cells = CellModel(se)
         (count,) = cells.hook_closure(hook)          # pre-existing, ClosureSource(0, "count")
-        n = cells.load(count)                        # 3, guarded: count == 3
+        n = concrete(cells.load(count))              # 3, guarded: count == 3
         cells.store(count, n + 1)                    # replayed: cell_contents = 4
         plan, guards = se.build(), cells.guards()
     """
@@ -131,7 +131,10 @@ class CellModel:
 
     def cell_for(self, ref: Ref) -> Cell:
         """The model of a cell ref (e.g. from a new function's closure spec)."""
-        return self._cells[ref]
+        cell = self._cells.get(ref)
+        if cell is None:
+            self._refuse(CellRefusal.NOT_A_CELL, f"{ref} is not a cell of this model")
+        return cell
 
     # --------------------------------------------------------- reads, writes
     def load(self, cell: Cell, *, guard: bool = True) -> Value:
