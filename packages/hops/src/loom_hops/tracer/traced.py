@@ -60,8 +60,12 @@ class TracedHook:
         return [source.resolve(args) for source in self.input_sources]
 
     def run(self, *args: Any) -> Any:
-        """Do what ``fn(*args)`` does: run the graph, then apply the replay plan."""
-        outputs = self.graph(*self.graph_inputs(*args))
+        """Do what ``fn(*args)`` does: run the graph, then apply the replay plan.
+
+        The graph computes values, not autograd history: it runs under ``no_grad``.
+        """
+        with torch.no_grad():
+            outputs = self.graph(*self.graph_inputs(*args))
         return self.replay.apply(tuple(outputs), args)
 
     def describe(self) -> str:

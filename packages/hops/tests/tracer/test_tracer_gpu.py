@@ -1,0 +1,72 @@
+"""Saved-tensor hooks on CUDA tensors: fp8 packing and CPU offload, traced and run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loom_hops.tracer import TracedHook, trace_hook
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_tracer_corpus import assert_same
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SCALE = 16.0
+
+
+def pack_fp8(t):
+    if t.dtype == torch.float32 and t.numel() > 8:
+        return (t.dtype, (t * SCALE).to(torch.float8_e4m3fn))
+    return (t.dtype, t)
+
+
+def unpack_fp8(packed):
+    dtype, data = packed
+    return data.to(dtype) / SCALE if data.dtype == torch.float8_e4m3fn else data
+
+
+def offload(t):
+    return (t.device, t.to("cpu"))
+
+
+def reload(packed):
+    device, data = packed
+    return data.to(device, non_blocking=True)
+
+
+def _traced(fn: Any, *args: Any) -> TracedHook:
+    result = trace_hook(fn, args)
+    assert isinstance(result, TracedHook), str(result)
+    assert result.check_guards(*args)
+    return result
+
+
+def test_fp8_pack_and_unpack_on_cuda_match_eager() -> None:
+    x = torch.randn(64, 32, device="cuda")
+    pack = _traced(pack_fp8, x)
+    packed = pack.run(x)
+    assert_same(pack_fp8(x), packed)
+    unpack = _traced(unpack_fp8, packed)
+    assert_same(unpack_fp8(packed), unpack.run(packed))
+    assert not pack.check_guards(x.cpu())
+
+
+def test_cpu_offload_round_trip_on_cuda_matches_eager() -> None:
+    x = torch.randn(128, device="cuda")
+    pack = _traced(offload, x)
+    packed = pack.run(x)
+    assert packed[1].device.type == "cpu"
+    assert_same(offload(x), packed)
+    unpack = _traced(reload, packed)
+    out = unpack.run(packed)
+    torch.cuda.synchronize()
+    assert out.device.type == "cuda"
+    assert_same(reload(packed), out)
