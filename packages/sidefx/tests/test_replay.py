@@ -26,6 +26,7 @@ from loom_sidefx import (
     ReplayPlan,
     Roots,
     SideEffects,
+    TensorSlot,
     concrete,
 )
 
@@ -560,6 +561,44 @@ def test_a_store_into_another_modules_globals_goes_through_an_object_source() ->
     assert other == {"registry": {"k": 1}, "enabled": True}
 
 
+class Tracked:
+    """A class whose __setattr__/__delattr__ keep a log (like nn.Module's bookkeeping)."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "log", [])
+        object.__setattr__(self, "buffer", 0)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.log.append(("set", name))
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self.log.append(("del", name))
+        object.__delattr__(self, name)
+
+
+def test_generic_attribute_ops_run_the_types_setattr_once_at_replay() -> None:
+    def real(g: dict[str, Any]) -> None:
+        g["m"].buffer = "T"
+        del g["m"].buffer
+
+    def trace(se: SideEffects, g: dict[str, Any]) -> tuple[Any, ...]:
+        m = G(se, g, "m")
+        se.store_attr(m, "buffer", se.new_tensor_slot(), generic=True)
+        assert se.load_attr(m, "buffer") == TensorSlot(0)
+        se.del_attr(m, "buffer", generic=True)
+        return ()
+
+    plan = differential(lambda: {"m": Tracked()}, real, trace, ("T",))
+    assert plan.describe().splitlines()[1:] == [
+        "  setattr(G['m'], 'buffer', t0)",
+        "  delattr(G['m'], 'buffer')",
+    ]
+    g = {"m": Tracked()}
+    plan.apply(Roots((), g), ("T",))
+    assert g["m"].log == [("set", "buffer"), ("del", "buffer")]
+
+
 def test_every_op_kind_replays_like_cpython() -> None:
     """One hook touching every op kind: the plan covers OpKind and matches CPython."""
 
@@ -568,6 +607,7 @@ def test_every_op_kind_replays_like_cpython() -> None:
         obj.old = 1  # type: ignore[attr-defined]
         return {
             "obj": obj,
+            "m": Tracked(),
             "xs": CountingList([1, 2, 3, 4]),
             "d": CountingDict({"a": 1, (1, 2): 2, 2.5: 3}),
             "s": {1, 2},
@@ -578,6 +618,8 @@ def test_every_op_kind_replays_like_cpython() -> None:
     def real(g: dict[str, Any]) -> Any:
         g["obj"].new = math.nan
         del g["obj"].old
+        g["m"].extra = 1
+        del g["m"].buffer
         xs = g["xs"]
         list.append(xs, "a")
         list.extend(xs, ["b", "c"])
@@ -605,6 +647,9 @@ def test_every_op_kind_replays_like_cpython() -> None:
         obj = G(se, g, "obj")
         se.store_attr(obj, "new", math.nan)
         se.del_attr(obj, "old")
+        m = G(se, g, "m")
+        se.store_attr(m, "extra", 1, generic=True)
+        se.del_attr(m, "buffer", generic=True)
         xs = G(se, g, "xs")
         se.list_append(xs, "a")
         se.list_extend(xs, ["b", "c"])

@@ -282,20 +282,28 @@ class SideEffects:
         return spec
 
     # -------------------------------------------------------------- attributes
-    def store_attr(self, ref: Ref, name: str, value: Value) -> None:
-        """``obj.name = value`` as a raw ``object.__setattr__`` (inline user ``__setattr__`` first)."""
-        entry = self._attr_target(ref, name)
+    def store_attr(self, ref: Ref, name: str, value: Value, *, generic: bool = False) -> None:
+        """``obj.name = value``.
+
+        By default a raw ``object.__setattr__`` (the tracer inlined any user
+        ``__setattr__`` or property). With ``generic=True`` the store is replayed
+        as ``setattr(obj, name, value)``, running the type's own ``__setattr__``
+        and descriptors exactly once, at replay: for a pre-existing object whose
+        ``__setattr__`` the tracer treats as opaque and known to store the value
+        as given (e.g. ``torch.nn.Module``'s bookkeeping of buffers).
+        """
+        entry = self._attr_target(ref, name, generic)
         value = self._value(value)
         if ref.is_new:
             entry.attrs.pop(name, None)
         entry.attrs[name] = value
-        self._log(OpKind.STORE_ATTR, ref, name, (value,))
+        self._log(OpKind.GENERIC_SETATTR if generic else OpKind.STORE_ATTR, ref, name, (value,))
 
-    def del_attr(self, ref: Ref, name: str) -> None:
-        """``del obj.name`` as a raw ``object.__delattr__``."""
-        entry = self._attr_target(ref, name)
+    def del_attr(self, ref: Ref, name: str, *, generic: bool = False) -> None:
+        """``del obj.name``: a raw ``object.__delattr__``, or ``delattr`` when ``generic``."""
+        entry = self._attr_target(ref, name, generic)
         current = entry.attrs.get(name, Missing.ABSENT if ref.is_new else Missing.UNCHANGED)
-        if current is Missing.UNCHANGED and not has_instance_attr(entry.obj, name):
+        if current is Missing.UNCHANGED and not generic and not has_instance_attr(entry.obj, name):
             current = Missing.ABSENT
         if current is Missing.ABSENT:
             self._refuse(
@@ -306,7 +314,7 @@ class SideEffects:
             del entry.attrs[name]
         else:
             entry.attrs[name] = Missing.ABSENT
-        self._log(OpKind.DEL_ATTR, ref, name)
+        self._log(OpKind.GENERIC_DELATTR if generic else OpKind.DEL_ATTR, ref, name)
 
     # -------------------------------------------------------------------- lists
     def list_append(self, ref: Ref, value: Value) -> None:
@@ -642,11 +650,19 @@ class SideEffects:
                 "reach the object from the hook's arguments, globals or closure",
             )
 
-    def _attr_target(self, ref: Ref, name: str) -> _Entry:
+    def _attr_target(self, ref: Ref, name: str, generic: bool) -> _Entry:
         entry = self._entry(ref)
         if ref.kind is ObjKind.CELL:
             self._refuse(SideEffectRefusal.WRONG_KIND, "cells have no attributes: use store_cell")
         self._require_source(entry)
+        if generic:
+            if ref.is_new:
+                self._refuse(
+                    SideEffectRefusal.WRONG_KIND,
+                    "generic attribute stores apply to pre-existing objects only",
+                    "trace the new object's __setattr__ and record raw stores",
+                )
+            return entry
         why = attr_refusal(entry.cls, name)
         if why is not None:
             self._refuse(

@@ -25,6 +25,8 @@ class OpKind(enum.Enum):
 
     STORE_ATTR = "store_attr"
     DEL_ATTR = "del_attr"
+    GENERIC_SETATTR = "generic_setattr"
+    GENERIC_DELATTR = "generic_delattr"
     LIST_APPEND = "list_append"
     LIST_EXTEND = "list_extend"
     LIST_SETITEM = "list_setitem"
@@ -49,6 +51,8 @@ class OpKind(enum.Enum):
 OP_TARGET: dict[OpKind, ObjKind | str | None] = {
     OpKind.STORE_ATTR: "any",
     OpKind.DEL_ATTR: "any",
+    OpKind.GENERIC_SETATTR: "any",
+    OpKind.GENERIC_DELATTR: "any",
     OpKind.LIST_APPEND: ObjKind.LIST,
     OpKind.LIST_EXTEND: ObjKind.LIST,
     OpKind.LIST_SETITEM: ObjKind.LIST,
@@ -73,6 +77,8 @@ OP_TARGET: dict[OpKind, ObjKind | str | None] = {
 OP_ARITY: dict[OpKind, int] = {
     OpKind.STORE_ATTR: 1,
     OpKind.DEL_ATTR: 0,
+    OpKind.GENERIC_SETATTR: 1,
+    OpKind.GENERIC_DELATTR: 0,
     OpKind.LIST_APPEND: 1,
     OpKind.LIST_EXTEND: -1,
     OpKind.LIST_SETITEM: 1,
@@ -98,6 +104,8 @@ KEYED_OPS: frozenset[OpKind] = frozenset(
     {
         OpKind.STORE_ATTR,
         OpKind.DEL_ATTR,
+        OpKind.GENERIC_SETATTR,
+        OpKind.GENERIC_DELATTR,
         OpKind.LIST_SETITEM,
         OpKind.LIST_DELITEM,
         OpKind.LIST_INSERT,

@@ -251,6 +251,18 @@ def _check_new(n: NewObject) -> list[str]:
     return problems
 
 
+_NAME_KEYED = frozenset(
+    {
+        OpKind.STORE_ATTR,
+        OpKind.DEL_ATTR,
+        OpKind.GENERIC_SETATTR,
+        OpKind.GENERIC_DELATTR,
+        OpKind.STORE_GLOBAL,
+        OpKind.DEL_GLOBAL,
+    }
+)
+
+
 def _check_op(op: Op, defined: dict[Ref, ObjKind]) -> list[str]:
     problems = []
     want = OP_TARGET[op.kind]
@@ -274,7 +286,7 @@ def _check_op(op: Op, defined: dict[Ref, ObjKind]) -> list[str]:
     if arity >= 0 and len(op.args) != arity:
         problems.append(f"expects {arity} values, has {len(op.args)}")
     if op.kind in KEYED_OPS:
-        if op.kind in (OpKind.STORE_ATTR, OpKind.DEL_ATTR, OpKind.STORE_GLOBAL, OpKind.DEL_GLOBAL):
+        if op.kind in _NAME_KEYED:
             if type(op.key) is not str:
                 problems.append(f"key {op.key!r} is not a str name")
         elif op.kind in (
@@ -350,6 +362,10 @@ def _describe_op(op: Op, names: dict[Ref, str]) -> str:
         return f"{target}.{op.key} = {vals[0]}"
     if k is OpKind.DEL_ATTR:
         return f"del {target}.{op.key}"
+    if k is OpKind.GENERIC_SETATTR:
+        return f"setattr({target}, {op.key!r}, {vals[0]})"
+    if k is OpKind.GENERIC_DELATTR:
+        return f"delattr({target}, {op.key!r})"
     if k is OpKind.STORE_GLOBAL:
         return f"G[{op.key!r}] = {vals[0]}"
     if k is OpKind.DEL_GLOBAL:
@@ -483,6 +499,10 @@ def _op_line(op: Op, target: str, val: Callable[[Value], str], em: Emitter) -> s
             return f"_setattr({target}, {k}, {v})"
         case OpKind.DEL_ATTR:
             return f"_delattr({target}, {k})"
+        case OpKind.GENERIC_SETATTR:
+            return f"setattr({target}, {k}, {v})"
+        case OpKind.GENERIC_DELATTR:
+            return f"delattr({target}, {k})"
         case OpKind.LIST_EXTEND:
             return f"list.extend({target}, ({', '.join(val(x) for x in op.args)},))"
         case OpKind.STORE_GLOBAL:
