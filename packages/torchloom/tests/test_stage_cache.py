@@ -170,3 +170,55 @@ def test_second_process_gets_a_full_hit_with_identical_outputs_and_gradients(
     ]
     assert runs[0][0] == "miss,stored" and runs[1][0] == "hit"
     assert runs[0][1:] == runs[1][1:]
+
+
+def test_torchloom_cache_command_shows_stats_and_explains_the_last_miss(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from torchloom._cli import main
+
+    _step(EAGER)
+    _step({**EAGER, "resize_remove_chains": False})
+    capsys.readouterr()
+    assert main(["cache", "stats"]) == 0
+    out = capsys.readouterr().out
+    assert "entries    2" in out and "misses     2" in out
+    assert main(["cache", "explain"]) == 0
+    assert "resize_remove_chains: True -> False" in capsys.readouterr().out
+
+
+class _ScalePack(torch.nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def _hooks(scale: float) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    return (
+        torch.fx.symbolic_trace(_ScalePack(scale)),
+        torch.fx.symbolic_trace(_ScalePack(1.0 / scale)),
+    )
+
+
+def _step_with_hooks(scale: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    with torch.autograd.graph.saved_tensors_hooks(*_hooks(scale)):
+        return _step(EAGER)
+
+
+def test_saved_tensor_hooks_enter_the_key_and_a_hit_replays_their_placement() -> None:
+    cold = _step_with_hooks(2.0)
+    assert [k for k, _ in _cache_entries()] == ["miss", "stored"]
+    cold_hooks = [(e.kind, e.message) for e in torchloom.report().entries("hooks")]
+    assert [k for k, _ in cold_hooks] == ["placed"]
+    warm = _step_with_hooks(2.0)
+    assert [k for k, _ in _cache_entries()] == ["hit"]
+    assert [(e.kind, e.message) for e in torchloom.report().entries("hooks")] == cold_hooks
+    torch.testing.assert_close(warm[0], cold[0], rtol=0, atol=0)
+    for a, b in zip(warm[1], cold[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _step_with_hooks(4.0)  # other hook content: a miss that names the hooks
+    kind, message = _cache_entries()[0]
+    assert kind == "miss" and "hooks" in message

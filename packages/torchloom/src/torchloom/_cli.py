@@ -2,6 +2,7 @@
 
 torchloom demo [--device cpu|cuda] [--iters N] [--no-inductor]
 torchloom report          (the last demo's per-graph report)
+torchloom cache ...       (loom's compile cache: stats, list, show, explain, clear)
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["cache"]:
+        from torchloom._cli_cache import main as cache_main
+
+        return cache_main(args_list[1:])
     parser = argparse.ArgumentParser(
         prog="torchloom", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
