@@ -303,3 +303,30 @@ def test_every_refusal_kind_is_documented() -> None:
     doc = (ROOT / "docs" / "tracer.md").read_text()
     missing = [k.name for k in TraceRefusal if f"`{k.name}`" not in doc]
     assert not missing
+
+
+def test_lists_that_were_distinct_while_tracing_must_stay_distinct() -> None:
+    ns: dict[str, Any] = {"A": [], "B": []}
+    exec("def hook(t):\n    A.append(1)\n    return t * len(B)\n", ns)
+    tr = traced(ns["hook"], torch.ones(1))
+    assert tr.check_guards(torch.ones(1))
+    ns["B"] = ns["A"]  # now len(B) would see the append: the trace no longer applies
+    assert not tr.check_guards(torch.ones(1))
+
+
+def test_attribute_store_on_a_list_is_refused_not_replayed() -> None:
+    ns: dict[str, Any] = {"A": []}
+    exec("def hook(t):\n    A.note = 1\n    return t\n", ns)
+    result = trace_hook(ns["hook"], (torch.ones(1),))
+    assert isinstance(result, HookUnsupported)
+    assert result.kind is TraceRefusal.UNSUPPORTED_SIDE_EFFECT
+
+
+def test_operator_setitem_on_a_python_list_is_refused() -> None:
+    import operator
+
+    ns: dict[str, Any] = {"A": [0], "operator": operator}
+    exec("def hook(t):\n    operator.setitem(A, 0, 5)\n    return t\n", ns)
+    result = trace_hook(ns["hook"], (torch.ones(1),))
+    assert isinstance(result, HookUnsupported)
+    assert result.kind is TraceRefusal.UNSUPPORTED_CALL

@@ -265,6 +265,11 @@ def set_attr(ctx: TraceContext, v: Value, name: str, value: Value) -> None:
             f"setting attribute {name!r} on a {v.py_type.__qualname__}",
         )
     cls = v.py_type
+    if v.obj is None or not hasattr(v.obj, "__dict__"):
+        raise refuse(
+            TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+            f"setting attribute {name!r} on a {cls.__qualname__} without an instance __dict__",
+        )
     if slot(cls, "__setattr__") is not object.__setattr__:
         raise refuse(
             TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"{cls.__qualname__} overrides __setattr__"

@@ -190,6 +190,11 @@ def call_const(
     if _is_torch_callable(fn):
         return ctx.call_torch(fn, args, kwargs)
     module = getattr(fn, "__module__", None)
+    if module in ("_operator", "operator") and _mutates_in_place(fn):
+        if not (args and isinstance(args[0], TensorV)):
+            raise refuse(
+                TraceRefusal.UNSUPPORTED_CALL, f"operator.{fn.__name__} on a Python object"
+            )
     if module in ("math", "_operator", "operator") and callable(fn):
         if any(isinstance(a, TensorV) for a in args):
             if module == "math":
@@ -216,6 +221,15 @@ def call_const(
     raise refuse(
         TraceRefusal.UNSUPPORTED_CALL,
         f"calling {getattr(fn, '__module__', '?')}.{name} is not supported",
+    )
+
+
+def _mutates_in_place(fn: Any) -> bool:
+    name = getattr(fn, "__name__", "")
+    return name in ("setitem", "delitem") or (
+        name.startswith("i")
+        and name
+        not in ("index", "indexOf", "is_", "is_not", "invert", "inv", "is_none", "is_not_none")
     )
 
 

@@ -500,8 +500,25 @@ class TraceContext:
         )
 
     # ------------------------------------------------------------------ finish
+    def guard_no_aliasing(self) -> None:
+        """Mutable pre-existing objects modelled as distinct must stay distinct objects.
+
+        Two lists that were different objects while tracing could be one object
+        at call time, and then a read of one would see writes to the other.
+        """
+        by_kind: dict[type, list[Source]] = {}
+        for v in self.known.values():
+            if isinstance(v, ObjectV) and v.source is not None and v.obj is not None:
+                base = next(b for b in (list, dict, set, object) if isinstance(v.obj, b))
+                by_kind.setdefault(base, []).append(v.source)
+        for sources in by_kind.values():
+            for i, a in enumerate(sources):
+                for b in sources[i + 1 :]:
+                    self.guard(a, GuardKind.DISTINCT_FROM, b)
+
     def finish(self, result: Value) -> tuple[torch.fx.GraphModule, ReplayPlan, int]:
         """Graph outputs + replay plan for the hook's return value and buffered effects."""
+        self.guard_no_aliasing()
         builder = _PlanBuilder(self)
         output = builder.ref(result)
         num_user = len(builder.slots)

@@ -30,6 +30,7 @@ class GuardKind(enum.Enum):
     LEN_EQUALS = "len_equals"
     GLOBAL_ABSENT = "global_absent"  # the name is not defined in that globals dict
     SAME_AS = "same_as"  # the same object as another source (aliasing seen while tracing)
+    DISTINCT_FROM = "distinct_from"  # not the same object as another source (no aliasing seen)
     DICT_KEYS = "dict_keys"  # the keys, in order
 
 
@@ -74,7 +75,7 @@ def describe_expected(kind: GuardKind, expected: Any) -> str:
         return describe_object(expected)
     if kind is GuardKind.TYPE_MATCH:
         return f"{expected.__module__}.{expected.__qualname__}"
-    if kind is GuardKind.SAME_AS:
+    if kind in (GuardKind.SAME_AS, GuardKind.DISTINCT_FROM):
         return str(expected.describe())
     return _stable_repr(expected)
 
@@ -145,6 +146,8 @@ def _conditions(guard: Guard, bind: Callable[[object], str]) -> list[str]:
         return [f"type({x}) is {bind(expected)}"]
     if kind is GuardKind.SAME_AS:
         return [f"{x} is {expected.expr(bind)}"]
+    if kind is GuardKind.DISTINCT_FROM:
+        return [f"{x} is not {expected.expr(bind)}"]
     if kind is GuardKind.DICT_KEYS:
         return [f"tuple({x}) == {bind(tuple(expected))}"]
     if kind is GuardKind.LEN_EQUALS:
