@@ -51,6 +51,33 @@ def _step(
     return out.detach()
 
 
+def _measure(
+    name: str, options: dict[str, Any] | None, layers: int, dim: int, x: torch.Tensor, iters: int
+) -> tuple[dict[str, Any], torch.Tensor]:
+    device = x.device
+    torch._dynamo.reset()
+    model = FSDPPatternStack(layers, dim, fill="copy", device=device)
+    forward: Callable[[torch.Tensor], torch.Tensor] = (
+        model
+        if options is None
+        else torch.compile(model, backend="loom", options=options, fullgraph=True)
+    )
+    out = _step(model, forward, x)  # compiles
+    fwd_peak = peak_memory(lambda: forward(x).detach(), device)
+    for w in model.weights:  # that forward was not followed by a backward
+        w.untyped_storage().resize_(0)
+    step_peak = peak_memory(lambda: _step(model, forward, x), device)
+    timing = time_fn(lambda: _step(model, forward, x), warmup=2, iters=iters, device=device)
+    assert model.storage_nbytes() == [0] * layers
+    row = {
+        "variant": name,
+        "fwd_peak_MiB": None if fwd_peak is None else fwd_peak / 2**20,
+        "step_peak_MiB": None if step_peak is None else step_peak / 2**20,
+        "step_ms": timing.median_ms,
+    }
+    return row, out
+
+
 def main() -> None:
     args = parse_args(
         "FSDP-pattern step: loom vs eager, with and without resize-chain removal",
@@ -68,30 +95,10 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     reference: torch.Tensor | None = None
     for name, options in _variants(codegen).items():
-        torch._dynamo.reset()
-        model = FSDPPatternStack(layers, dim, fill="copy", device=device)
-        forward: Callable[[torch.Tensor], torch.Tensor] = (
-            model
-            if options is None
-            else torch.compile(model, backend="loom", options=options, fullgraph=True)
-        )
-        out = _step(model, forward, x)  # compiles
+        row, out = _measure(name, options, layers, dim, x, iters)
         reference = out if reference is None else reference
-        fwd_peak = peak_memory(lambda: forward(x).detach(), device)
-        for w in model.weights:  # the forward above was not followed by backward
-            w.untyped_storage().resize_(0)
-        step_peak = peak_memory(lambda: _step(model, forward, x), device)
-        timing = time_fn(lambda: _step(model, forward, x), warmup=2, iters=iters, device=device)
-        assert model.storage_nbytes() == [0] * layers
-        rows.append(
-            {
-                "variant": name,
-                "fwd_peak_MiB": None if fwd_peak is None else fwd_peak / 2**20,
-                "step_peak_MiB": None if step_peak is None else step_peak / 2**20,
-                "step_ms": timing.median_ms,
-                "max_abs_diff": float((out - reference).abs().max()),
-            }
-        )
+        row["max_abs_diff"] = float((out - reference).abs().max())
+        rows.append(row)
     eager = rows[0]
     for row in rows:
         row["fwd_peak_vs_eager"] = ratio(row["fwd_peak_MiB"], eager["fwd_peak_MiB"])
