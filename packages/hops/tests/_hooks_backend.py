@@ -37,9 +37,9 @@ def hooks_backend(
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         log.compiles += 1
         pair = loom_hops.active_saved_tensors_hooks()
-        loom_hops.install_hooks_guard(pair)
         graphs = None if pair is None else loom_hops.prepare_saved_tensors_hooks(pair)
-        usable = graphs if isinstance(graphs, loom_hops.GraphModuleHooks) else None
+        usable = None if isinstance(graphs, loom_hops.Unsupported) else graphs
+        placed: list[loom_hops.Placement] = []
 
         def partition(joint: Any, inputs: Any, **kwargs: Any) -> Any:
             fw, bw = default_partition(joint, inputs, **kwargs)
@@ -48,6 +48,8 @@ def hooks_backend(
                     fw, bw, num_fwd_outputs=kwargs["num_fwd_outputs"], hooks=usable, scope=scope
                 )
                 log.placements.append(placement)
+                if isinstance(placement, loom_hops.Placement):
+                    placed.append(placement)
                 log.graphs["forward"] = fw.code
                 log.graphs["backward"] = bw.code
             return fw, bw
@@ -57,15 +59,32 @@ def hooks_backend(
                 loom_hops.inline_subgraph_hops(g)
             return make_boxed_func(g.forward)
 
-        inner = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
+        def bw_compiler(g: torch.fx.GraphModule, inputs: Any) -> Any:
+            fn = compiler(g, inputs)
+            effects = placed[0].unpack_effects if placed else ()
+
+            def run_bw(args: Any) -> Any:
+                out = fn(args)
+                for replay in effects:
+                    replay()
+                return out
+
+            run_bw._boxed_call = True  # type: ignore[attr-defined]
+            return run_bw
+
+        inner = aot_autograd(fw_compiler=compiler, bw_compiler=bw_compiler, partition_fn=partition)
         with loom_hops.native_hook_inlining_disabled(pair):
             compiled = inner(gm, example_inputs)
-        if usable is None:
+        loom_hops.install_hooks_guard(pair, usable)
+        if usable is None or not placed:
             return compiled  # type: ignore[no-any-return]
 
         def run(*args: Any) -> Any:
             with loom_hops.eager_saved_tensors_hooks_disabled():
-                return compiled(*args)
+                out = compiled(*args)
+            for replay in placed[0].pack_effects:
+                replay()
+            return out
 
         return run
 

@@ -154,8 +154,10 @@ def test_a_mismatching_unpack_is_refused_and_nothing_changes() -> None:
             return p[1]  # stays bf16
 
     hooks = hm.pair(hm.Bf16Pack(), BadUnpack())
-    model, x = _mlp(), torch.randn(8, 16)
-    _, _, log = _run(model, x, hooks, compiled=True)
+    backend, log = hooks_backend()
+    fn = torch.compile(_mlp(), backend=backend)
+    with torch.autograd.graph.saved_tensors_hooks(*hooks):
+        fn(torch.randn(8, 16, requires_grad=True))  # backward would fail, as in eager
     (refusal,) = log.placements
     assert isinstance(refusal, loom_hops.Unsupported)
     assert refusal.kind is loom_hops.HopsRefusalKind.UNPACK_MISMATCH

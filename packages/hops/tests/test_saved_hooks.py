@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import hook_modules as hm
+import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import loom_hops
 from loom_hops import HookPair, HopsRefusalKind
@@ -30,14 +33,42 @@ def test_kinds_of_pairs() -> None:
     assert HookPair(gm_pack, lambda x: x).kind == "mixed"
 
 
-def test_python_hooks_are_refused_with_where_they_are_defined() -> None:
-    def pack(x: torch.Tensor) -> torch.Tensor:
-        return x
+SCALE = torch.tensor(2.0)
+KEPT: list[torch.Tensor] = []
 
-    got = loom_hops.prepare_saved_tensors_hooks(HookPair(pack, pack))
+
+def _reads_a_global_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t * SCALE
+
+
+def _prints(t: torch.Tensor) -> torch.Tensor:
+    print("packing")
+    return t
+
+
+def _keeps_the_tensor(t: torch.Tensor) -> torch.Tensor:
+    KEPT.append(t)
+    return t
+
+
+@pytest.mark.parametrize(
+    ("pack", "kind"),
+    [
+        (_reads_a_global_tensor, HopsRefusalKind.HOOK_READS_OUTSIDE_TENSORS),
+        (_prints, HopsRefusalKind.HOOK_NOT_TRACEABLE),
+        (_keeps_the_tensor, HopsRefusalKind.HOOK_SIDE_EFFECTS_UNSUPPORTED),
+    ],
+)
+def test_python_hooks_the_tracer_cannot_place_are_refused_with_where(
+    pack: Any, kind: HopsRefusalKind
+) -> None:
+    graphs = loom_hops.prepare_saved_tensors_hooks(HookPair(pack, lambda t: t))
+    assert not isinstance(graphs, loom_hops.Unsupported)
+    with FakeTensorMode() as mode:
+        saved = mode.from_tensor(torch.randn(4, 8))
+    got = graphs.trace_pack(saved)
     assert isinstance(got, loom_hops.Unsupported)
-    assert got.kind is HopsRefusalKind.HOOK_NOT_TRACEABLE
-    assert "test_saved_hooks.py" in got.where and got.hint
+    assert got.kind is kind and "test_saved_hooks.py" in got.where and got.hint
 
 
 def test_a_custom_tracer_is_asked_for_python_hooks() -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "HookGraphs",
     "PackedLayout",
     "TracedPack",
+    "TracedUnpack",
     "trace_function",
 ]
 
@@ -63,6 +64,18 @@ class TracedPack:
     graph: torch.fx.GraphModule
     layout: PackedLayout
     example_outputs: tuple[Any, ...]
+    #: The hook's side effects for this tensor, replayed after the compiled forward.
+    effects: Callable[[], None] | None = None
+    fingerprint: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TracedUnpack:
+    """The unpack graph for one saved tensor: ``graph(*crossing) -> (tensor,)``."""
+
+    graph: torch.fx.GraphModule
+    #: The hook's side effects for this tensor, replayed after the compiled backward.
+    effects: Callable[[], None] | None = None
 
 
 class HookGraphs(Protocol):
@@ -75,9 +88,11 @@ class HookGraphs(Protocol):
 
     def trace_pack(self, saved: torch.Tensor) -> TracedPack | Unsupported: ...
 
-    def trace_unpack(
-        self, pack: TracedPack, saved: torch.Tensor
-    ) -> torch.fx.GraphModule | Unsupported: ...
+    def trace_unpack(self, pack: TracedPack, saved: torch.Tensor) -> TracedUnpack | Unsupported: ...
+
+    def guards_hold(self) -> bool:
+        """Whether the traces made so far are still valid (closure and global values)."""
+        ...
 
 
 def trace_function(
@@ -153,10 +168,11 @@ class GraphModuleHooks:
     def trace_pack(self, saved: torch.Tensor) -> TracedPack | Unsupported:
         return trace_pack_graph(self.pack, saved, self.decompositions)
 
-    def trace_unpack(
-        self, pack: TracedPack, saved: torch.Tensor
-    ) -> torch.fx.GraphModule | Unsupported:
+    def trace_unpack(self, pack: TracedPack, saved: torch.Tensor) -> TracedUnpack | Unsupported:
         return trace_unpack_graph(self.unpack, pack, saved, self.decompositions)
+
+    def guards_hold(self) -> bool:
+        return True  # a GraphModule's graph is fixed; identity is guarded separately
 
 
 def trace_pack_graph(
@@ -206,7 +222,7 @@ def trace_unpack_graph(
     pack: TracedPack,
     saved: torch.Tensor,
     decompositions: Decompositions | None,
-) -> torch.fx.GraphModule | Unsupported:
+) -> TracedUnpack | Unsupported:
     """Trace ``unpack`` at the pack outputs; check it gives back ``saved``'s dtype/shape/device."""
     where = f"unpack hook {getattr(unpack, '__qualname__', type(unpack).__name__)}"
 
@@ -246,7 +262,7 @@ def trace_unpack_graph(
             "make unpack restore the saved tensor's dtype, shape and device",
         )
     _flatten_output(graph)
-    return graph
+    return TracedUnpack(graph)
 
 
 def _flatten_output(graph: torch.fx.GraphModule) -> None:

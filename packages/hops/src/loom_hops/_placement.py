@@ -16,12 +16,13 @@ import dataclasses
 import enum
 import logging
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 
-from loom_hops._hook_graphs import HookGraphs, TracedPack
+from loom_hops._hook_graphs import HookGraphs, TracedPack, TracedUnpack
 from loom_hops._hook_hops import pack_hook_op, unpack_hook_op
 from loom_hops._torch_compat import is_sym_node
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
@@ -69,6 +70,11 @@ class Placement:
     num_fwd_outputs: int
     packed: tuple[PackedTensor, ...]
     kept: tuple[tuple[str, str], ...]  # (saved tensor, reason)
+    #: Side effects of traced Python pack hooks, one per packed tensor that has any,
+    #: in the forward order of the tensors' first uses (when eager would pack them).
+    pack_effects: tuple[Callable[[], None], ...] = ()
+    #: Side effects of traced unpack hooks, in the backward order of the unpacks.
+    unpack_effects: tuple[Callable[[], None], ...] = ()
 
     def check(self) -> None:
         """Verify the forward's saved outputs and the backward's saved inputs line up."""
@@ -113,6 +119,10 @@ def _first_use(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
     order = {n: i for i, n in enumerate(graph.nodes)}
     first: torch.fx.Node = min(node.users, key=order.__getitem__)
     return first
+
+
+def _node_named(gm: torch.fx.GraphModule, name: str) -> torch.fx.Node | None:
+    return next((n for n in gm.graph.nodes if n.name == name), None)
 
 
 def _fresh(gm: torch.fx.GraphModule, base: str) -> str:
@@ -276,7 +286,7 @@ def place_saved_tensor_hooks(
     inner_set = {n for n in inner if isinstance(n, torch.fx.Node)}
     bw_by_name = {n.name: n for n in bw_inputs}
 
-    plans: list[tuple[torch.fx.Node, TracedPack, torch.fx.GraphModule]] = []
+    plans: list[tuple[torch.fx.Node, TracedPack, TracedUnpack]] = []
     kept: list[tuple[str, str]] = []
     for node in saved_tensors:
         origin = _origin(node, inner_set)
@@ -298,6 +308,16 @@ def place_saved_tensor_hooks(
             return unpack
         plans.append((node, traced, unpack))
 
+    fw_order = {n: i for i, n in enumerate(forward.graph.nodes)}
+
+    def first_forward_use(item: tuple[torch.fx.Node, TracedPack, TracedUnpack]) -> int:
+        node = item[0]
+        users = [u for u in node.users if u.op != "output"]
+        return min((fw_order[u] for u in users), default=fw_order[node])
+
+    pack_effects = tuple(
+        t.effects for _, t, _ in sorted(plans, key=first_forward_use) if t.effects is not None
+    )
     taken = _names(forward.graph, backward.graph)
     replaced: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     packed: list[PackedTensor] = []
@@ -305,7 +325,9 @@ def place_saved_tensor_hooks(
     for node, traced, unpack in plans:
         anchor, leaves = _insert_pack(forward, node, traced, taken)
         replaced[node] = leaves
-        first_use = _insert_unpack(backward, bw_by_name[node.name], unpack, leaves, sym_anchor)
+        first_use = _insert_unpack(
+            backward, bw_by_name[node.name], unpack.graph, leaves, sym_anchor
+        )
         val = node.meta["val"]
         packed.append(
             PackedTensor(
@@ -330,7 +352,22 @@ def place_saved_tensor_hooks(
     backward.graph.lint()  # type: ignore[no-untyped-call]
     forward.recompile()
     backward.recompile()
-    placement = Placement(forward, backward, num_fwd_outputs, tuple(packed), tuple(kept))
+    bw_order = {n: i for i, n in enumerate(backward.graph.nodes)}
+    unpack_at = {p.name: bw_order.get(_node_named(backward, p.unpack_before), -1) for p in packed}
+    unpack_effects = tuple(
+        u.effects
+        for n, _, u in sorted(plans, key=lambda item: unpack_at[item[0].name])
+        if u.effects is not None
+    )
+    placement = Placement(
+        forward,
+        backward,
+        num_fwd_outputs,
+        tuple(packed),
+        tuple(kept),
+        pack_effects,
+        unpack_effects,
+    )
     placement.check()
     log.debug(
         "place_saved_tensor_hooks: packed %d saved tensor(s) with %s, kept %d",

@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Iterator
 
 from loom_hops import _torch_compat as compat
+from loom_hops._hook_graphs import HookGraphs
 from loom_hops._saved_hooks import HookPair, active_saved_tensors_hooks, same_pair
 
 __all__ = [
@@ -36,15 +37,20 @@ def eager_saved_tensors_hooks_disabled() -> contextlib.AbstractContextManager[No
     return compat.saved_tensors_hooks_disabled(_DISABLED_MESSAGE)
 
 
-def install_hooks_guard(pair: HookPair | None) -> bool:
+def install_hooks_guard(pair: HookPair | None, graphs: HookGraphs | None = None) -> bool:
     """Guard the Dynamo frame being compiled on "the innermost active pair is ``pair``".
 
-    The guard holds ``pair`` alive, so the identities it compares cannot be
-    reused by other objects. Returns ``False`` when no Dynamo compile is running.
+    With ``graphs`` (traced Python hooks), the tracer's guards on closure and
+    global values must hold too. The guard holds ``pair`` alive, so the
+    identities it compares cannot be reused by other objects. Call it from the
+    backend, after compiling (Dynamo builds the frame's guards once the backend
+    returns). Returns ``False`` when no Dynamo compile is running.
     """
 
     def check() -> bool:
-        return same_pair(pair, active_saved_tensors_hooks())
+        if not same_pair(pair, active_saved_tensors_hooks()):
+            return False
+        return graphs is None or graphs.guards_hold()
 
     what = "no saved_tensors_hooks" if pair is None else pair.describe()
     return compat.install_dynamo_guard(check, f"loom: active saved_tensors_hooks is {what}")

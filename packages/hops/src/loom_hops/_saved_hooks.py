@@ -149,6 +149,10 @@ def prepare_saved_tensors_hooks(
 ) -> HookGraphs | Unsupported:
     """What to trace the pair with at each saved tensor, or why it stays eager.
 
+    ``GraphModule`` pairs are taken as they are; Python pairs go to
+    ``python_tracer`` (default: ``loom_hops.tracer`` through
+    :class:`TracedPythonHooks`), which traces them at each saved tensor later.
+
     >>> graphs = prepare_saved_tensors_hooks(HookPair(pack_gm, unpack_gm))
     >>> isinstance(graphs, GraphModuleHooks)
     True
@@ -171,13 +175,9 @@ def prepare_saved_tensors_hooks(
             "give both hooks as GraphModules (torch.fx.symbolic_trace) or both as functions",
         )
     if python_tracer is None:
-        return Unsupported(
-            HopsRefusalKind.HOOK_NOT_TRACEABLE,
-            _where(pair.pack),
-            "Python saved-tensor hooks need the hook tracer, which is not available here; "
-            "they run eagerly on the compiled function's saved tensors",
-            "give the hooks as torch.fx.GraphModules (torch.fx.symbolic_trace(module))",
-        )
+        from loom_hops._python_hooks import trace_python_hooks
+
+        python_tracer = trace_python_hooks
     return python_tracer(pair)
 
 

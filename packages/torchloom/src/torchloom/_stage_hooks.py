@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch.fx import GraphModule
 
 import loom_hops
@@ -75,27 +76,36 @@ class SavedTensorHooksStage(PipelineStage):
         compile_cold: Callable[[], Callable[..., Any]],
     ) -> Callable[..., Any]:
         pair = loom_hops.active_saved_tensors_hooks()
-        loom_hops.install_hooks_guard(pair)
         state = HooksState(pair, loom_hops.fingerprint_hooks(pair))
         ctx.state[self.name] = state
-        if pair is None:
-            return compile_cold()
-        if not ctx.options.saved_tensor_hooks_in_graph:
-            ctx.record.add_entry("hooks", "eager", "saved_tensor_hooks_in_graph is off")
-            return compile_cold()
+        if pair is None or not ctx.options.saved_tensor_hooks_in_graph:
+            if pair is not None:
+                ctx.record.add_entry("hooks", "eager", "saved_tensor_hooks_in_graph is off")
+            compiled = compile_cold()
+            loom_hops.install_hooks_guard(pair)
+            return compiled
         graphs = loom_hops.prepare_saved_tensors_hooks(pair)
         if isinstance(graphs, loom_hops.Unsupported):
             self._refuse(ctx, state, graphs)
-            return compile_cold()
+            compiled = compile_cold()
+            loom_hops.install_hooks_guard(pair)
+            return compiled
         state.graphs = graphs
         with loom_hops.native_hook_inlining_disabled(pair):
             compiled = compile_cold()
+        # NOTE: after compiling, so that the tracer's guards (made while placing) are included.
+        loom_hops.install_hooks_guard(pair, graphs)
         if state.refused is not None:
             return compiled
 
         def run_with_hooks_in_graph(*args: Any) -> Any:
             with loom_hops.eager_saved_tensors_hooks_disabled():
-                return compiled(*args)
+                out = compiled(*args)
+            placement = state.placement
+            if placement is not None and placement.pack_effects and torch.is_grad_enabled():
+                for replay in placement.pack_effects:
+                    replay()
+            return out
 
         return run_with_hooks_in_graph
 
@@ -128,6 +138,29 @@ class SavedTensorHooksStage(PipelineStage):
             ctx.record.add_graph(kind, code)
             log.debug("graph %d, %s:\n%s", ctx.graph_id, kind, code)
         return fw_gm, bw_gm
+
+    def wrap_compiled(
+        self,
+        ctx: GraphContext,
+        fn: Callable[..., Any],
+        gm: GraphModule,
+        kind: GraphKind,
+        example_inputs: Sequence[Any],
+    ) -> Callable[..., Any]:
+        state: HooksState | None = ctx.state.get(self.name)
+        placement = None if state is None else state.placement
+        if kind is not GraphKind.BACKWARD or placement is None or not placement.unpack_effects:
+            return fn
+        effects = placement.unpack_effects
+
+        def backward_then_unpack_effects(*args: Any) -> Any:
+            out = fn(*args)
+            for replay in effects:
+                replay()
+            return out
+
+        backward_then_unpack_effects._boxed_call = True  # type: ignore[attr-defined]
+        return backward_then_unpack_effects
 
     def before_codegen(
         self, ctx: GraphContext, gm: GraphModule, kind: GraphKind, example_inputs: Sequence[Any]

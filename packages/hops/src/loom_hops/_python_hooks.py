@@ -1,0 +1,209 @@
+"""Python saved-tensor hooks, traced by the hook tracer at each saved tensor.
+
+:class:`TracedPythonHooks` is the :class:`HookGraphs` for a pair of plain
+functions. The pack hook is traced once per saved tensor metadata (dtype,
+shape, stride, device) with ``loom_hops.tracer.trace_hook``; its graph and the
+side-effect-free part of its replay plan (the return value) become the pack
+graph, and its side effects become a replay step run after the compiled
+forward, once per saved tensor, in order. The unpack hook is traced at the
+packed value; its side effects run after the compiled backward. Hooks whose
+side effects would need tensors or symbolic values at replay time, or that
+read tensors from their closure or globals, are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from loom_hops._hook_graphs import (
+    TracedPack,
+    TracedUnpack,
+    rebuild_packed,
+    trace_pack_graph,
+    trace_unpack_graph,
+)
+from loom_hops._saved_hooks import HookPair
+from loom_hops._torch_compat import fake_mode_of
+from loom_hops._unsupported import HopsRefusalKind, Unsupported
+from loom_hops.tracer import HookUnsupported, TracedHook, trace_hook
+from loom_hops.tracer.replay import BinRef, ConstRef, NewRef, Ref, ReplayPlan, SourceRef
+from loom_hops.tracer.sources import ArgSource, Source
+
+__all__ = ["TracedPythonHooks", "trace_python_hooks"]
+
+Decompositions = Mapping[Any, Callable[..., Any]]
+
+
+def _root(source: Source) -> Source:
+    while (base := getattr(source, "base", None)) is not None:
+        source = base
+    return source
+
+
+def _is_number_like(value: Any) -> bool:
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor)):
+        return False
+    if isinstance(value, (tuple, list)):
+        return all(_is_number_like(v) for v in value)
+    return True
+
+
+def _replayable(ref: Ref | None, plan: ReplayPlan) -> bool:
+    """Whether ``ref`` can be evaluated after the graph without graph outputs or arguments."""
+    if ref is None:
+        return True
+    if isinstance(ref, ConstRef):
+        return _is_number_like(ref.value)
+    if isinstance(ref, SourceRef):
+        return not isinstance(_root(ref.source), ArgSource)
+    if isinstance(ref, BinRef):
+        return _replayable(ref.lhs, plan) and _replayable(ref.rhs, plan)
+    if isinstance(ref, NewRef):
+        return all(_replayable(r, plan) for r in plan.new_objects[ref.index].items)
+    return False  # a TensorSlot: the value lives in the graph
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    hook: TracedHook
+    where: str
+
+    @property
+    def pure(self) -> ReplayPlan:
+        return dataclasses.replace(self.hook.replay, effects=())
+
+    def call_pure(self, *args: Any) -> Any:
+        """The hook's return value, computed by its graph, without its side effects."""
+        outs = self.hook.graph(*self.hook.graph_inputs(*args))
+        return self.pure.apply(tuple(outs), args)
+
+    def effects(self, example_args: tuple[Any, ...]) -> Callable[[], None] | None:
+        plan = self.hook.replay
+        if not plan.effects:
+            return None
+        # NOTE: new objects the return value needs are rebuilt too; they read graph
+        # outputs, which are the compile-time fake values here (never escaping).
+        mode = fake_mode_of(list(pytree.tree_leaves(example_args)))
+        with mode if mode is not None else contextlib.nullcontext():
+            fake_outs = tuple(self.hook.graph(*self.hook.graph_inputs(*example_args)))
+        replay = dataclasses.replace(plan, output=ConstRef(None))
+
+        def run_effects() -> None:
+            replay.apply(fake_outs, example_args)
+
+        return run_effects
+
+
+def _check(traced: TracedHook | HookUnsupported, where: str) -> _Traced | Unsupported:
+    if isinstance(traced, HookUnsupported):
+        return Unsupported(
+            HopsRefusalKind.HOOK_NOT_TRACEABLE,
+            traced.where or where,
+            f"the hook tracer refused it: {traced.kind.value}: {traced.explanation}",
+            traced.hint,
+        )
+    outside = [s.describe() for s in traced.input_sources if not isinstance(_root(s), ArgSource)]
+    if outside:
+        return Unsupported(
+            HopsRefusalKind.HOOK_READS_OUTSIDE_TENSORS,
+            where,
+            f"the hook reads tensors from {', '.join(outside)}",
+            "pass such tensors through the packed value, or write the hook as a GraphModule",
+        )
+    plan = traced.replay
+    for eff in plan.effects:
+        if not all(_replayable(r, plan) for r in (eff.target, eff.key, eff.value)):
+            return Unsupported(
+                HopsRefusalKind.HOOK_SIDE_EFFECTS_UNSUPPORTED,
+                eff.where or where,
+                f"the side effect {eff.describe()} needs a tensor or a symbolic value "
+                "from the graph at replay time",
+                "record Python values (sizes of static shapes, dtypes, counts) instead",
+            )
+    return _Traced(traced, where)
+
+
+def _meta_key(t: torch.Tensor) -> tuple[str, ...]:
+    return (
+        str(t.dtype),
+        str(tuple(t.shape)),
+        str(tuple(t.stride())),
+        str(t.device),
+        str(t.requires_grad),
+    )
+
+
+class TracedPythonHooks:
+    """``(pack, unpack)`` plain functions, traced per saved tensor with the hook tracer."""
+
+    description = "traced Python hooks"
+
+    def __init__(self, pair: HookPair, decompositions: Decompositions | None = None) -> None:
+        self.pair = pair
+        self.decompositions = decompositions
+        self._packs: dict[tuple[str, ...], _Traced | Unsupported] = {}
+        self._guards: dict[str, tuple[TracedHook, tuple[Any, ...]]] = {}
+
+    def _where(self, fn: Any) -> str:
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return str(getattr(fn, "__qualname__", type(fn).__name__))
+        return f"{code.co_filename}:{code.co_firstlineno}"
+
+    def _trace(self, fn: Any, args: tuple[Any, ...]) -> _Traced | Unsupported:
+        where = self._where(fn)
+        checked = _check(trace_hook(fn, args), where)
+        if isinstance(checked, _Traced):
+            self._guards.setdefault(checked.hook.guard_source, (checked.hook, args))
+        return checked
+
+    def trace_pack(self, saved: torch.Tensor) -> TracedPack | Unsupported:
+        key = _meta_key(saved)
+        if key not in self._packs:
+            self._packs[key] = self._trace(self.pair.pack, (saved,))
+        traced = self._packs[key]
+        if isinstance(traced, Unsupported):
+            return traced
+        result = trace_pack_graph(traced.call_pure, saved, self.decompositions)
+        if isinstance(result, Unsupported):
+            return result
+        return dataclasses.replace(
+            result, effects=traced.effects((saved,)), fingerprint=traced.hook.fingerprint
+        )
+
+    def trace_unpack(self, pack: TracedPack, saved: torch.Tensor) -> TracedUnpack | Unsupported:
+        packed = rebuild_packed(pack.layout, pack.example_outputs)
+        traced = self._trace(self.pair.unpack, (packed,))
+        if isinstance(traced, Unsupported):
+            return traced
+        result = trace_unpack_graph(traced.call_pure, pack, saved, self.decompositions)
+        if isinstance(result, Unsupported):
+            return result
+        return dataclasses.replace(result, effects=traced.effects((packed,)))
+
+    def guards_hold(self) -> bool:
+        """Whether every guard of every trace still holds (closure and global values)."""
+        return all(hook.check_guards(*args) for hook, args in self._guards.values())
+
+    def fingerprint(self) -> str | None:
+        """Fingerprints of the traces made so far, combined; ``None`` if any is opaque."""
+        import hashlib
+
+        hooks = [hook for hook, _ in self._guards.values()]
+        if any(h.opaque for h in hooks):
+            return None
+        h = hashlib.sha256(b"loom-python-hooks-v1;")
+        for fp in sorted(hook.fingerprint for hook in hooks):
+            h.update(fp.encode())
+        return h.hexdigest()
+
+
+def trace_python_hooks(pair: HookPair) -> TracedPythonHooks | Unsupported:
+    """The :class:`PythonHookTracer` backed by ``loom_hops.tracer``."""
+    return TracedPythonHooks(pair)
