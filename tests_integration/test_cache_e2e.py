@@ -1,0 +1,133 @@
+"""loom's cache across processes: a second process compiling the GPT-stack
+training step gets a full hit and exactly the outputs and gradients of the cold
+process; a fleet shares entries through Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_CHILD = r"""
+import json, sys, torch, torchloom
+from torchloom._models import GPTStack
+device, codegen = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = GPTStack(32, 1, 4).to(device)
+x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)).to(device)
+compiled = torch.compile(model, backend="loom", options={"codegen": codegen})
+out = compiled(x)
+out.float().pow(2).mean().backward()
+rep = torchloom.report()
+print("RESULT " + json.dumps({
+    "cache": [e.kind for e in rep.entries("cache")],
+    "stages": sorted({s.name for g in rep for s in g.stages}),
+    "out": out.detach().double().flatten().tolist(),
+    "grads": [p.grad.double().flatten().tolist() for p in model.parameters()],
+}))
+"""
+
+
+def _run(env: dict[str, str], device: str = "cpu", codegen: str = "eager") -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, device, codegen],
+        env={**{k: v for k, v in os.environ.items() if k != "TORCHLOOM_REMOTE_CACHE"}, **env},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return result
+
+
+def _assert_same_numbers(cold: dict[str, Any], warm: dict[str, Any]) -> None:
+    # Bitwise: a hit runs the very code the cold compile generated.
+    assert warm["out"] == cold["out"]
+    assert warm["grads"] == cold["grads"]
+
+
+def _env(tmp: Path, **extra: str) -> dict[str, str]:
+    env = {
+        "TORCHLOOM_CACHE_DIR": str(tmp / "loom"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
+        "PYTHONHASHSEED": "random",
+        **extra,
+    }
+    return env
+
+
+def test_second_process_gets_a_full_hit_and_identical_outputs_and_gradients(
+    tmp_path: Path,
+) -> None:
+    cold = _run(_env(tmp_path))
+    warm = _run(_env(tmp_path))
+    assert cold["cache"] == ["miss", "stored"] and "partition" in cold["stages"]
+    assert warm["cache"] == ["hit"]
+    assert "partition" not in warm["stages"]
+    assert not any(s.startswith("codegen") for s in warm["stages"])
+    _assert_same_numbers(cold, warm)
+
+
+@pytest.mark.inductor
+def test_second_process_hits_with_inductor_codegen(tmp_path: Path) -> None:
+    cold = _run(_env(tmp_path), codegen="inductor")
+    warm = _run(_env(tmp_path), codegen="inductor")
+    assert cold["cache"] == ["miss", "stored"] and warm["cache"] == ["hit"]
+    _assert_same_numbers(cold, warm)
+
+
+@pytest.mark.gpu
+def test_second_process_hits_on_the_gpu(tmp_path: Path) -> None:
+    cold = _run(_env(tmp_path), device="cuda", codegen="inductor")
+    warm = _run(_env(tmp_path), device="cuda", codegen="inductor")
+    assert cold["cache"] == ["miss", "stored"] and warm["cache"] == ["hit"]
+    _assert_same_numbers(cold, warm)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    server = shutil.which("redis-server") or "/usr/bin/redis-server"
+    if not Path(server).exists():
+        pytest.fail("redis-server is not installed (the CI script installs it)")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_a_second_machine_hits_through_redis(tmp_path: Path, redis_url: str) -> None:
+    # Two "machines": separate local stores, one shared Redis tier.
+    cold = _run(_env(tmp_path / "a", TORCHLOOM_REMOTE_CACHE=redis_url))
+    warm = _run(_env(tmp_path / "b", TORCHLOOM_REMOTE_CACHE=redis_url))
+    assert cold["cache"] == ["miss", "stored"] and warm["cache"] == ["hit"]
+    _assert_same_numbers(cold, warm)
