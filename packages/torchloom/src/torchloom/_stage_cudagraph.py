@@ -111,7 +111,7 @@ class CudagraphStage(PipelineStage):
             def compile_segment(
                 seg: GraphModule, inputs: list[Any], seg_static: tuple[int, ...]
             ) -> Callable[[list[Any]], Sequence[Any]]:
-                before_segment()
+                before_segment(seg)
                 return codegen(seg, inputs, seg_static)
 
             runtime = loom_cudagraph.build_runtime(

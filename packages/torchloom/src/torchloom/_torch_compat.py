@@ -346,30 +346,43 @@ def caches_force_disabled() -> bool:
 
 
 @contextlib.contextmanager
-def segment_codegen_strides(gm: GraphModule) -> Iterator[Callable[[], None]]:
+def segment_codegen_strides(gm: GraphModule) -> Iterator[Callable[[GraphModule], None]]:
     """Let Inductor compile several segments of ``gm`` inside one AOT graph.
 
     Inductor hands each compiled graph's output strides to AOTAutograd through
     ``TracingContext.output_strides`` and asserts the list is empty first. The
-    yielded callable empties it before each segment; on exit it holds the
-    strides of ``gm``'s own outputs (segments keep their outputs' strides).
+    yielded callable, called with each segment before its codegen, empties it
+    and marks every segment output user-visible with its traced strides, so
+    Inductor neither pads nor reorders what the next segment reads (it asserts
+    its inputs' strides). On exit the list holds the strides of ``gm``'s outputs.
     """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
     ctx = TracingContext.try_get()
     strides = ctx.output_strides if ctx is not None else None
 
-    def clear() -> None:
-        if strides is not None:
-            strides.clear()
-
-    yield clear
-    if strides is not None:
-        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-        strides.clear()
-        outs = gm.graph.output_node().args[0]
+    def out_strides(g: GraphModule) -> list[Any]:
+        outs = g.graph.output_node().args[0]
+        result: list[Any] = []
         for out in outs if isinstance(outs, list | tuple) else (outs,):
             val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
             if isinstance(val, torch.Tensor) and not free_unbacked_symbols(val.stride()):
-                strides.append(tuple(val.stride()))
+                result.append(tuple(val.stride()))
             else:
-                strides.append(None)
+                result.append(None)
+        return result
+
+    def before_segment(seg: GraphModule) -> None:
+        if strides is not None:
+            strides.clear()
+        node = seg.graph.output_node()
+        seg_strides = out_strides(seg)
+        node.meta["original_output_strides"] = seg_strides
+        node.meta["user_visible_output_idxs"] = [
+            i for i, st in enumerate(seg_strides) if st is not None
+        ]
+
+    yield before_segment
+    if strides is not None:
+        strides.clear()
+        strides.extend(out_strides(gm))
