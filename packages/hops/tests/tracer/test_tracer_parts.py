@@ -330,3 +330,24 @@ def test_operator_setitem_on_a_python_list_is_refused() -> None:
     result = trace_hook(ns["hook"], (torch.ones(1),))
     assert isinstance(result, HookUnsupported)
     assert result.kind is TraceRefusal.UNSUPPORTED_CALL
+
+
+def test_symbolic_shapes_are_refused_up_front() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.randn(8, 4), symbolic_context=context)
+
+    def pack(t):
+        return t.to(torch.bfloat16)
+
+    result = trace_hook(pack, (x,))
+    assert isinstance(result, HookUnsupported)
+    assert result.kind is TraceRefusal.UNSUPPORTED_VALUE
+    assert "symbolic shape" in result.explanation

@@ -254,6 +254,13 @@ class TraceContext:
             raise refuse(
                 TraceRefusal.UNSUPPORTED_VALUE, "a tensor with no source (a default value?)"
             )
+        if not all(isinstance(s, int) for s in (*t.shape, *t.stride())):
+            raise refuse(
+                TraceRefusal.UNSUPPORTED_VALUE,
+                f"tensor {source.describe()} has a symbolic shape {tuple(t.shape)}; "
+                "the tracer guards exact shapes",
+                "trace with static shapes: real tensors or fakes of a FakeTensorMode without a ShapeEnv",
+            )
         self.guard(source, GuardKind.TENSOR_MATCH, TensorMeta.of(t))
         fake = _torch_compat.to_fake(self.fake_mode, t)
         first = next((n for n in self.graph.nodes if n.op != "placeholder"), None)
