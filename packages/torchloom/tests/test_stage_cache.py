@@ -222,3 +222,18 @@ def test_saved_tensor_hooks_enter_the_key_and_a_hit_replays_their_placement() ->
     _step_with_hooks(4.0)  # other hook content: a miss that names the hooks
     kind, message = _cache_entries()[0]
     assert kind == "miss" and "hooks" in message
+
+
+def test_dynamic_shapes_hit_and_serve_every_size() -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).relu().sum(-1) * x.shape[0]
+
+    w = torch.randn(8, 3, requires_grad=True)
+    for expected in (["miss", "stored"], ["hit"]):
+        torchloom.reset()
+        g = torch.compile(f, backend="loom", options=EAGER, dynamic=True)
+        for n in (5, 7, 11):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(g(x, w), f(x, w))
+        assert [k for k, _ in _cache_entries()] == expected
+        assert len(torchloom.report()) == 1  # one graph serves every size

@@ -21,7 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
-from loom_cache._entry import Entry, EntryError, decode_entry, decode_header, encode_entry
+from loom_cache._entry import (
+    MAGIC,
+    Entry,
+    EntryError,
+    decode_entry,
+    decode_header,
+    encode_entry,
+)
 from loom_cache._key import CacheKey
 from loom_cache._store import EntryInfo, Lookup, StoreStats
 
@@ -233,7 +240,9 @@ class LocalStore:
 def _read_info(path: Path) -> EntryInfo | None:
     try:
         with open(path, "rb") as f:
-            head = f.read(1 << 20)
+            head = f.read(len(MAGIC) + 4)
+            length = int.from_bytes(head[len(MAGIC) :], "little")
+            head += f.read(length)  # the header only, never the payload
             st = os.fstat(f.fileno())
         header, _ = decode_header(head)
         key = CacheKey.from_json(header["key"])
