@@ -1,0 +1,278 @@
+"""loom's CUDA graphs against Inductor ``reduce-overhead`` and a raw hand-captured replay.
+
+Side by side in one process, per workload:
+
+- ``inductor``: Inductor's default path (no CUDA graphs);
+- ``inductor-ro``: ``mode="reduce-overhead"`` (cudagraph trees, graph partitioning);
+- ``loom-cg``: ``backend="loom", options={"cudagraphs": True}``;
+- ``raw-graph``: the Inductor-compiled step captured once by hand in a
+  ``torch.cuda.CUDAGraph`` and replayed (the floor any runtime can reach).
+
+Workloads: the foundation's launch-bound ones (batch-8 MLP inference, MLP and
+GPT-stack training steps, batch-1 GPT inference), a one-kernel graph (the
+runtime's own cost per call) and a graph with a CPU op in the middle. Reported:
+median step times, ``loom-cg`` / ``raw-graph`` and ``loom-cg`` / ``inductor-ro``
+ratios, peak memory against ``inductor-ro``, and loom's capture coverage.
+
+Targets (GPU): loom-cg <= inductor-ro and <= 1.15x raw-graph on the foundation
+workloads; <= 1.5x raw-graph on the one-kernel graph; on the CPU-op graph
+faster than inductor and <= inductor-ro.
+
+    python benchmarks/bench_cudagraph.py --device cuda
+    python benchmarks/bench_cudagraph.py --device cpu --quick --no-append   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import append_results, format_table, parse_args, peak_memory, ratio, time_fn
+from workloads import size_for, step, workloads
+
+FOUNDATION_TARGET_RAW = 1.15
+ONE_KERNEL_TARGET_RAW = 1.5
+
+Step = Callable[[], Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Case:
+    """A workload: ``build(device, quick)`` returns ``make_step(wrap)`` for a compile wrapper."""
+
+    name: str
+    kind: str  # "foundation", "one_kernel", "cpu_op"
+    build: Callable[[torch.device, bool], Callable[[Callable[[Any], Any]], tuple[Step, Any]]]
+
+
+def _foundation_cases() -> list[Case]:
+    cases = []
+    for w in workloads():
+
+        def build(device: torch.device, quick: bool, w: Any = w) -> Any:
+            base, x = w.build(size_for(device, quick), device)
+
+            def make(wrap: Callable[[Any], Any]) -> tuple[Step, Any]:
+                model = copy.deepcopy(base)
+                params = [p for p in model.parameters() if p.requires_grad]
+                fn = wrap(model)
+                return (lambda: step(fn, params, x, w.train)), model
+
+            return make
+
+        cases.append(Case(w.name, "foundation", build))
+    return cases
+
+
+def _one_kernel(device: torch.device, quick: bool) -> Any:
+    x = torch.randn(1024, device=device)
+
+    def make(wrap: Callable[[Any], Any]) -> tuple[Step, Any]:
+        fn = wrap(lambda t: t * 2 + 1)
+        return (lambda: fn(x)), None
+
+    return make
+
+
+def _cpu_op(device: torch.device, quick: bool) -> Any:
+    n = 64 if quick else 256
+    x, y = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a1 = torch.relu(a @ b) + 1
+        b1 = (b * 2).sum(0)
+        host = b1.cpu() + 1  # a CPU op in the middle
+        return torch.tanh(a1 @ a) + host.to(a.device)
+
+    def make(wrap: Callable[[Any], Any]) -> tuple[Step, Any]:
+        fn = wrap(f)
+        return (lambda: fn(x, y)), None
+
+    return make
+
+
+CASES = (
+    *_foundation_cases(),
+    Case("one_kernel", "one_kernel", _one_kernel),
+    Case("cpu_op_middle", "cpu_op", _cpu_op),
+)
+
+
+def _raw_graph(
+    make: Callable[[Callable[[Any], Any]], tuple[Step, Any]], device: torch.device
+) -> Step:
+    """Capture the Inductor-compiled step once by hand; time ``graph.replay()``."""
+    run, _ = make(lambda m: torch.compile(m, backend="inductor"))
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
+def _loom_coverage(first: int) -> str:
+    from torchloom._stage_cudagraph import cudagraph_stats
+
+    segs = [s for r in cudagraph_stats()[first:] for s in r.segments]
+    captured = sum(s.captured for s in segs)
+    replays = sum(s.replays for s in segs)
+    return f"{captured}/{len(segs)} captured, {replays} replays"
+
+
+def measure(case: Case, device: torch.device, quick: bool, iters: int) -> list[dict[str, Any]]:
+    from torchloom._stage_cudagraph import cudagraph_stats
+
+    make = case.build(device, quick)
+    variants: dict[str, Callable[[], Step]] = {
+        "inductor": lambda: make(lambda m: torch.compile(m, backend="inductor"))[0],
+        "loom-cg": lambda: make(
+            lambda m: torch.compile(m, backend="loom", options={"cudagraphs": True})
+        )[0],
+    }
+    if device.type == "cuda":
+        variants["inductor-ro"] = lambda: make(lambda m: torch.compile(m, mode="reduce-overhead"))[
+            0
+        ]
+        if case.kind != "cpu_op":
+            variants["raw-graph"] = lambda: _raw_graph(make, device)
+    rows = []
+    for name, build in variants.items():
+        torch._dynamo.reset()
+        first = len(cudagraph_stats())
+        try:
+            inner = build()
+
+            def run(inner: Step = inner) -> Any:
+                torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
+                return inner()
+
+            for _ in range(3):  # compile, warm up, record
+                run()
+            timing = time_fn(run, warmup=3 if quick else 10, iters=iters, device=device)
+            mem = peak_memory(run, device)
+            row: dict[str, Any] = {"workload": case.name, "variant": name, **timing.as_dict()}
+            row["peak_mib"] = None if mem is None else mem / 2**20
+            if name == "loom-cg":
+                row["coverage"] = _loom_coverage(first)
+        except Exception as exc:  # a failing variant is a row, not a lost run
+            row = {"workload": case.name, "variant": name, "error": repr(exc)[:200]}
+        print(f"  {case.name:<14} {name:<12} {row.get('median_ms', row.get('error'))}", flush=True)
+        rows.append(row)
+    torch._dynamo.reset()
+    by = {r["variant"]: r for r in rows}
+    loom = by.get("loom-cg", {})
+    for r in rows:
+        r["vs_raw"] = ratio(r.get("median_ms"), by.get("raw-graph", {}).get("median_ms"))
+        r["vs_ro"] = ratio(r.get("median_ms"), by.get("inductor-ro", {}).get("median_ms"))
+        r["vs_inductor"] = ratio(r.get("median_ms"), by.get("inductor", {}).get("median_ms"))
+    if "peak_mib" in loom and "inductor-ro" in by:
+        loom["peak_vs_ro"] = ratio(loom.get("peak_mib"), by["inductor-ro"].get("peak_mib"))
+    return rows
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    kinds = {c.name: c.kind for c in CASES}
+    for r in rows:
+        if r["variant"] != "loom-cg" or "median_ms" not in r:
+            continue
+        kind = kinds[r["workload"]]
+        raw, ro, ind = r.get("vs_raw"), r.get("vs_ro"), r.get("vs_inductor")
+        if kind == "foundation":
+            lines.append(
+                f"{r['workload']}: loom-cg {_x(raw)} of raw replay "
+                f"({_v(raw, FOUNDATION_TARGET_RAW)}), {_x(ro)} of reduce-overhead ({_v(ro, 1.0)}), "
+                f"peak memory {_x(r.get('peak_vs_ro'))} of reduce-overhead"
+            )
+        elif kind == "one_kernel":
+            lines.append(
+                f"{r['workload']}: loom-cg {_x(raw)} of raw replay ({_v(raw, ONE_KERNEL_TARGET_RAW)}), "
+                f"reduce-overhead {_x(_ro_vs_raw(rows, r['workload']))} of raw replay"
+            )
+        else:
+            lines.append(
+                f"{r['workload']}: loom-cg {_x(ind)} of Inductor ({_v(ind, 1.0)}), "
+                f"{_x(ro)} of reduce-overhead ({_v(ro, 1.0)})"
+            )
+    return lines
+
+
+def _ro_vs_raw(rows: list[dict[str, Any]], workload: str) -> float | None:
+    return next(
+        (
+            r.get("vs_raw")
+            for r in rows
+            if r["workload"] == workload and r["variant"] == "inductor-ro"
+        ),
+        None,
+    )
+
+
+def _v(value: float | None, target: float) -> str:
+    if value is None:
+        return "not measured"
+    return f"{'met' if value <= target else 'MISSED'} <= {target}x"
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}x"
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workloads",
+        default=None,
+        help=f"comma-separated subset of: {', '.join(c.name for c in CASES)}",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(__doc__.splitlines()[0] if __doc__ else "", argv, _configure)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    wanted = set(args.workloads.split(",")) if args.workloads else {c.name for c in CASES}
+    print(f"cudagraph benchmark on {device}, {args.iters} iterations", flush=True)
+    rows: list[dict[str, Any]] = []
+    for case in CASES:
+        if case.name in wanted:
+            rows += measure(case, device, args.quick, args.iters)
+    lines = verdicts(rows)
+    print()
+    print(format_table(rows))
+    print()
+    print("\n".join(lines))
+    if not args.no_append:
+        notes = (
+            "Median step times (CUDA events per call). raw-graph: the Inductor-compiled step "
+            "captured by hand in one torch.cuda.CUDAGraph and replayed. "
+            f"{'Quick run. ' if args.quick else ''}\n\n" + "\n".join(f"- {line}" for line in lines)
+        )
+        path = append_results(
+            "cudagraph",
+            f"CUDA graphs: loom / reduce-overhead / raw replay on {device}",
+            rows,
+            notes,
+            device=device,
+        )
+        print(f"appended to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
