@@ -114,3 +114,32 @@ def test_fsdp_pattern_matches_eager_with_inductor_codegen() -> None:
 @pytest.mark.parametrize("codegen", ["inductor", "eager"])
 def test_fsdp_pattern_matches_eager_on_cuda(codegen: str) -> None:
     _compare("copy", {"codegen": codegen}, device="cuda")
+
+
+def test_same_parameter_reaching_the_graph_twice_is_one_input() -> None:
+    def gather_then_read(
+        x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, src: torch.Tensor
+    ) -> torch.Tensor:
+        with torch.no_grad():
+            a.untyped_storage().resize_(64)
+            a.copy_(src)
+        out = x @ b  # b is a: the fill must be visible through it
+        a.untyped_storage().resize_(0)
+        return out
+
+    def fresh() -> torch.nn.Parameter:
+        p = torch.nn.Parameter(torch.randn(4, 4))
+        p.untyped_storage().resize_(0)
+        return p
+
+    x, src = torch.randn(2, 4, requires_grad=True), torch.randn(4, 4)
+    p_eager, p_loom = fresh(), fresh()
+    want = gather_then_read(x, p_eager, p_eager, src)
+    got = torch.compile(gather_then_read, backend="loom", options=EAGER, fullgraph=True)(
+        x, p_loom, p_loom, src
+    )
+    torch.testing.assert_close(got, want)
+    assert p_loom.untyped_storage().nbytes() == 0
+    (record,) = torchloom.report()
+    assert sum(1 for i in record.inputs if i.shape == ("4", "4")) == 2  # p once, src once
+    assert len(_messages("remove_resize_copy_resize")) == 1
