@@ -144,3 +144,17 @@ def test_graph_break_in_the_middle_gives_two_compiled_graphs_in_the_report() -> 
     report = torchloom.report()
     assert len(report) == 2, report.format()
     assert all(g.fallback is None for g in report), report.format()
+
+
+def test_runner_reports_a_program_that_dynamo_does_not_compile() -> None:
+    from corpus import Case, gen, randn
+
+    skipped = Program(
+        "skipped_by_dynamo",
+        lambda d, t: Case(
+            torch._dynamo.disable(lambda x: x * 2.0), lambda i: (randn(3, g=gen(i), device=d),)
+        ),
+    )
+    backend, options = _backend("eager")
+    with pytest.raises(AssertionError, match="Dynamo compiled no graph"):
+        run_differential(skipped, backend, options, "cpu")

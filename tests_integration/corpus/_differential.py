@@ -173,6 +173,9 @@ def run_differential(
         for call in range(program.calls):
             _one_call(program, call, device, eager, compiled_case, compiled, cmp)
     graphs = int(counters["stats"]["unique_graphs"]) - graphs_before
+    assert graphs >= 1 or program.expected_graphs == 0, (
+        f"{program.name}: Dynamo compiled no graph, so nothing compiled was compared"
+    )
     if program.expected_graphs is not None:
         assert graphs == program.expected_graphs, (
             f"{program.name}: Dynamo compiled {graphs} graphs over {program.calls} calls, "

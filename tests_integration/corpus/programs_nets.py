@@ -117,9 +117,10 @@ def build_tiny_lm(device: torch.device, dtype: torch.dtype) -> Case:
     )
 
 
-def build_bn_cumulative(device: torch.device, dtype: torch.dtype) -> Case:
-    # momentum=None: running stats are a cumulative average driven by num_batches_tracked.
-    model = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12, momentum=None), nn.Tanh())
+def build_bn1d(device: torch.device, dtype: torch.dtype) -> Case:
+    # NOTE: not momentum=None: its float(num_batches_tracked) breaks the graph
+    # on .item() and Dynamo then compiles nothing of this module.
+    model = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12, momentum=0.3), nn.Tanh())
     model = model.to(device=device, dtype=dtype)
     return Case(model, lambda i: (randn(16, 6, g=gen(i), device=device, dtype=dtype),))
 
@@ -168,10 +169,10 @@ PROGRAMS: tuple[Program, ...] = (
         description="int64 token ids, tied embedding, loss and argmax outputs",
     ),
     Program(
-        "batchnorm_cumulative_average",
-        build_bn_cumulative,
+        "batchnorm1d_running_stats",
+        build_bn1d,
         train=True,
         calls=3,
-        description="BatchNorm1d(momentum=None): num_batches_tracked drives the update",
+        description="BatchNorm1d in train mode: running stats and num_batches_tracked",
     ),
 )
