@@ -334,6 +334,7 @@ class _Rec:
     def __init__(self) -> None:
         self.order = -1
         self.watch: list[Any] = []
+        self.checks: tuple[int, list[tuple[int, int]]] = (-1, [])
         self.retired_with: list[Any] | None = None
 
     def retire(self, held: list[Any]) -> None:

@@ -31,6 +31,8 @@ UseCount = Callable[[int], int]
 class PooledRecording(Protocol):
     order: int
     watch: list[Watch]
+    #: (pool version, [(cdata, baseline)] of this and every later recording): a cache.
+    checks: tuple[int, list[tuple[int, int]]]
 
     def retire(self, held: list[Watch]) -> None: ...
 
@@ -67,12 +69,14 @@ class MemoryPool:
         self.recordings: list[PooledRecording] = []
         self.orphans: list[_Orphan] = []
         self.retired = 0
+        self.version = 0
         self._order = itertools.count()
         self._use_count = use_count
 
     def add(self, rec: PooledRecording) -> None:
         rec.order = next(self._order)
         self.recordings.append(rec)
+        self.version += 1
 
     def held(self, rec: PooledRecording) -> list[Watch]:
         return [w for w in rec.watch if self._use_count(w.cdata) != w.baseline]
@@ -86,11 +90,15 @@ class MemoryPool:
             ]
             if any(o.order >= rec.order for o in self.orphans):
                 return True
-        recs = self.recordings
-        for q in recs[recs.index(rec) :] if rec in recs else (rec,):
-            for w in q.watch:
-                if self._use_count(w.cdata) != w.baseline:
-                    return True
+        version, checks = rec.checks
+        if version != self.version:
+            later = [q for q in self.recordings if q.order >= rec.order] or [rec]
+            checks = [(w.cdata, w.baseline) for q in later for w in q.watch]
+            rec.checks = (self.version, checks)
+        use_count = self._use_count
+        for cdata, baseline in checks:  # noqa: SIM110 - a generator costs more per call
+            if use_count(cdata) != baseline:
+                return True
         return False
 
     def release(self, rec: PooledRecording) -> None:
@@ -107,6 +115,7 @@ class MemoryPool:
         """Drop ``rec`` from the pool; its ``held`` storages become orphans."""
         if rec in self.recordings:
             self.recordings.remove(rec)
+        self.version += 1
         self.orphans.extend(_Orphan(w, rec.order) for w in held)
         self.retired += 1
         rec.retire(held)

@@ -96,6 +96,7 @@ class _Recording:
         "__weakref__",
         "alias_idx",
         "bufs",
+        "checks",
         "clone_idx",
         "copy_idx",
         "copyback_bufs",
@@ -127,6 +128,7 @@ class _Recording:
         self.alias_idx: list[int] = []
         self.clone_idx: list[int] = []
         self.watch: list[Watch] = []
+        self.checks: tuple[int, list[tuple[int, int]]] = (-1, [])
         self.managed: list[int] = []
         self.retired = False
 
@@ -199,6 +201,7 @@ class CapturedSegment:
         self.device = device
         self.shared_pool = shared_pool
         self._tables: dict[Any, _Table] = {}
+        self._dynamic = spec.dynamic
         self._off: Unsupported | None = None
         self._shapes_warned = False
         self.replays = 0
@@ -211,12 +214,14 @@ class CapturedSegment:
     def __call__(self, inputs: list[Any]) -> Sequence[Any]:
         if self._off is not None:
             return self._uncaptured(inputs)
-        key = self._key(inputs) if self.spec.dynamic else None
+        key = self._key(inputs) if self._dynamic else None
         table = self._tables.get(key)
         if table is None:
             return self._new_shape(key, inputs)
         rec = table.last
-        if rec is None or not tensors_data_ptrs_equal(inputs, rec.ptrs, rec.inplace_idx):
+        if rec is None or (
+            rec.inplace_idx and not tensors_data_ptrs_equal(inputs, rec.ptrs, rec.inplace_idx)
+        ):
             rec = table.find(inputs) or self._record(table, inputs)
             if rec is None:
                 return self._uncaptured(inputs)

@@ -7,7 +7,7 @@ of this file.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,9 +33,8 @@ def storage_id(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
-def storage_use_count(storage_cdata: int) -> int:
-    """How many references (tensors, views, storages) hold a StorageImpl now."""
-    return int(torch._C._storage_Use_Count(storage_cdata))
+#: How many references (tensors, views, storages) hold a StorageImpl now (by its address).
+storage_use_count: Callable[[int], int] = torch._C._storage_Use_Count
 
 
 def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
