@@ -159,7 +159,7 @@ def _whole_graph_runtime(
 def build_runtime(
     plan: PartitionPlan,
     gm: torch.fx.GraphModule,
-    compile_segment: CompileSegment = eager_segment_compiler,
+    compile_segment: CompileSegment | None = None,
     example_inputs: Sequence[Any] = (),
     *,
     pool: MemoryPool | None = None,
@@ -167,14 +167,16 @@ def build_runtime(
 ) -> CudagraphRuntime:
     """A boxed callable that runs ``gm`` by ``plan``, capturing what the plan allows.
 
-    Skips in the plan are logged and counted here (and raise under
-    ``or_error``), so a compile that succeeds has no silent skip.
+    ``compile_segment`` defaults to :func:`eager_segment_compiler`. Skips in
+    the plan are logged and counted here (and raise under ``or_error``), so a
+    compile that succeeds has no silent skip.
 
     >>> plan = plan_graph(gm, example_inputs, static_input_indices=(0,))   # doctest: +SKIP
     >>> run = build_runtime(plan, gm, compile_segment, example_inputs, pool=new_pool())
     >>> outs = run(list(real_inputs))                                      # doctest: +SKIP
     """
     report_plan_skips(plan)
+    compile_segment = compile_segment or eager_segment_compiler
     n_inputs = len(plan.placeholders)
     node_outputs = gm.graph.output_node().args[0]
     flat_outputs = list(node_outputs) if isinstance(node_outputs, list | tuple) else [node_outputs]
