@@ -146,14 +146,21 @@ def test_graph_break_in_the_middle_gives_two_compiled_graphs_in_the_report() -> 
     assert all(g.fallback is None for g in report), report.format()
 
 
+@torch._dynamo.disable
+def _double_outside_dynamo(x: torch.Tensor) -> torch.Tensor:
+    return x * 2.0
+
+
+def _calls_only_disabled_code(x: torch.Tensor) -> torch.Tensor:
+    return _double_outside_dynamo(x)
+
+
 def test_runner_reports_a_program_that_dynamo_does_not_compile() -> None:
     from corpus import Case, gen, randn
 
     skipped = Program(
         "skipped_by_dynamo",
-        lambda d, t: Case(
-            torch._dynamo.disable(lambda x: x * 2.0), lambda i: (randn(3, g=gen(i), device=d),)
-        ),
+        lambda d, t: Case(_calls_only_disabled_code, lambda i: (randn(3, g=gen(i), device=d),)),
     )
     backend, options = _backend("eager")
     with pytest.raises(AssertionError, match="Dynamo compiled no graph"):
