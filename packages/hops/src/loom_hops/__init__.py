@@ -24,6 +24,7 @@ from loom_hops._saved_hooks import (
     prepare_saved_tensors_hooks,
 )
 from loom_hops._subgraph_hop import SubgraphHOP, subgraph_hops
+from loom_hops._tensor_hooks import order_intermediate_hooks
 from loom_hops._unsupported import HopsRefusal, HopsRefusalKind, Unsupported
 from loom_hops.tracer import Guard as HookGuard
 from loom_hops.tracer import GuardKind as HookGuardKind
@@ -61,6 +62,7 @@ __all__ = [
     "inline_subgraph_hops",
     "install_hooks_guard",
     "native_hook_inlining_disabled",
+    "order_intermediate_hooks",
     "pack_hook_op",
     "place_saved_tensor_hooks",
     "prepare_saved_tensors_hooks",

@@ -32,6 +32,7 @@ __all__ = [
     "FakeTensorMode",
     "HigherOrderOperator",
     "ProxyTorchDispatchMode",
+    "autograd_function_apply_op",
     "below_autograd",
     "detect_fake_mode",
     "disable_proxy_modes_tracing",
@@ -183,3 +184,9 @@ def native_hook_inlining_disabled(active: RawHooks) -> Iterator[None]:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def autograd_function_apply_op() -> Any:
+    """The HOP Dynamo 2.11 emits for ``register_hook`` on an intermediate (and for
+    ``autograd.Function``s it traces); ``None`` when this torch has none."""
+    return getattr(torch.ops.higher_order, "autograd_function_apply", None)

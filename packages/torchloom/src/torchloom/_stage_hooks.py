@@ -109,6 +109,18 @@ class SavedTensorHooksStage(PipelineStage):
 
         return run_with_hooks_in_graph
 
+    def before_aot(
+        self, ctx: GraphContext, gm: GraphModule, example_inputs: Sequence[Any]
+    ) -> GraphModule:
+        result = loom_hops.order_intermediate_hooks(gm)
+        if result.modified:
+            ctx.record.add_entry(
+                "hooks",
+                "tensor_hooks",
+                "several register_hook hooks on one tensor put in eager order",
+            )
+        return result.graph_module
+
     def after_partition(
         self, ctx: GraphContext, fw_gm: GraphModule, bw_gm: GraphModule
     ) -> tuple[GraphModule, GraphModule]:
