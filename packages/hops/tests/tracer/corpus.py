@@ -31,6 +31,9 @@ NAMES: Any = None
 KEEP: Any = None
 QUEUE: Any = None
 HOLDER: Any = None
+HELPER: Any = None
+TR: Any = None
+COUNTER: Any = None
 LINEAR: Any = None
 
 
@@ -69,6 +72,12 @@ def with_globals(fn: Callable[..., Any], **names: Any) -> Any:
     namespace = dict(fn.__globals__)
     namespace.update(names)
     return types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def with_log(fn: Callable[..., Any]) -> Setup:
+    """``fn`` with a fresh global list ``LOG``, watched."""
+    log: list[Any] = []
+    return Setup(with_globals(fn, LOG=log), (t43(),), {"log": log})
 
 
 def t43() -> torch.Tensor:
@@ -724,6 +733,244 @@ def _finfo(t):
 @case()
 def finfo_constant_fp8_scaling() -> Setup:
     return Setup(with_globals(_finfo), (t43(),))
+
+
+# ------------------------------------------------------------------ more hook shapes
+
+
+def h_nested_nonlocal(t):
+    total = 0
+
+    def add(x):
+        nonlocal total
+        total += x
+
+    for s in t.shape:
+        add(s)
+    return t * total
+
+
+def _make_helper():
+    calls = 0
+
+    def helper(x):
+        nonlocal calls
+        calls += 1
+        return x + calls
+
+    return helper
+
+
+def h_preexisting_closure_helper(t):
+    return HELPER(t)
+
+
+class Tracker:
+    def __init__(self):
+        self.hist = []
+
+    def record(self, x):
+        self.hist.append(x)
+        return len(self.hist)
+
+
+def h_method(t):
+    n = TR.record(t.shape[0])
+    return t * n
+
+
+def h_while(t):
+    i = 0
+    out = t
+    while i < 3:
+        out = out + i
+        i += 1
+    return out
+
+
+def h_ternary_chain(t):
+    n = t.shape[0]
+    k = 2 if 0 < n < 10 else 3
+    flag = (n > 1 and t.ndim == 2) or False
+    return t * k if flag else t
+
+
+def h_try_finally(t):
+    try:
+        y = t * 2
+    finally:
+        LOG.append("done")
+    return y
+
+
+def h_view_star(t):
+    shape = t.shape
+    return t.reshape(*shape[::-1]), t.size(-1), t.view(-1, shape[-1])
+
+
+def h_return_preexisting(t):
+    LOG.append(t.shape)
+    return LOG
+
+
+def h_del_walrus(t):
+    x = t + 1
+    del x
+    if (n := t.numel()) > 3:
+        return t * n
+    return t
+
+
+def h_percent(t):
+    LOG.append("%s:%d" % (t.dtype, t.numel()))  # noqa: UP031  (percent format on purpose)
+    return t
+
+
+def h_lambda_defaults(t):
+    fs = [lambda x, k=k: x * k for k in range(3)]
+    return sum(f(t) for f in fs)
+
+
+def h_isinstance_list(t):
+    xs = [t, t]
+    if isinstance(xs, (list, tuple)) and not isinstance(xs, dict):
+        return torch.stack(xs)
+    return t
+
+
+def h_unpack_dict(packed):
+    return packed["data"].to(packed["dtype"]) * packed["scale"]
+
+
+def h_sorted_keys(t):
+    d = {"b": 2, "a": 1}
+    out = t
+    for k in sorted(d):
+        out = out * d[k]
+    return out
+
+
+def h_max_shape_kw(t):
+    return t.amax(dim=tuple(range(t.ndim))), t.shape.numel(), t.flatten().shape
+
+
+def h_global_rebind(t):
+    global COUNTER
+    COUNTER = COUNTER + t.ndim
+    return t
+
+
+def h_cell_then_read(t):
+    x = 1
+
+    def read():
+        return x
+
+    x = 5
+    return t * read()
+
+
+def h_structseq(t):
+    values, indices = torch.max(t, 0)
+    r = torch.max(t, 1)
+    return values + r.values.sum(), indices, r.indices
+
+
+@case()
+def more_structseq_return_types() -> Setup:
+    return Setup(with_globals(h_structseq), (t43(),))
+
+
+@case()
+def more_nested_nonlocal() -> Setup:
+    return Setup(with_globals(h_nested_nonlocal), (t43(),))
+
+
+@case()
+def more_preexisting_closure_helper() -> Setup:
+    helper = _make_helper()
+    hook = with_globals(h_preexisting_closure_helper, HELPER=helper)
+    return Setup(hook, (t43(),), {"cells": helper.__closure__})
+
+
+@case()
+def more_method() -> Setup:
+    tracker = Tracker()
+    return Setup(with_globals(h_method, TR=tracker), (t43(),), {"tracker": tracker})
+
+
+@case()
+def more_while() -> Setup:
+    return Setup(with_globals(h_while), (t43(),))
+
+
+@case()
+def more_ternary_chain() -> Setup:
+    return Setup(with_globals(h_ternary_chain), (t43(),))
+
+
+@case()
+def more_try_finally() -> Setup:
+    return with_log(h_try_finally)
+
+
+@case()
+def more_view_star() -> Setup:
+    return Setup(with_globals(h_view_star), (t43(),))
+
+
+@case()
+def more_return_preexisting() -> Setup:
+    return with_log(h_return_preexisting)
+
+
+@case()
+def more_del_walrus() -> Setup:
+    return Setup(with_globals(h_del_walrus), (t43(),))
+
+
+@case()
+def more_percent() -> Setup:
+    return with_log(h_percent)
+
+
+@case()
+def more_lambda_defaults() -> Setup:
+    return Setup(with_globals(h_lambda_defaults), (t43(),))
+
+
+@case()
+def more_isinstance_list() -> Setup:
+    return Setup(with_globals(h_isinstance_list), (t43(),))
+
+
+@case()
+def more_unpack_dict() -> Setup:
+    return Setup(
+        with_globals(h_unpack_dict),
+        ({"data": t43().bfloat16(), "dtype": torch.float32, "scale": 0.5},),
+    )
+
+
+@case()
+def more_sorted_keys() -> Setup:
+    return Setup(with_globals(h_sorted_keys), (t43(),))
+
+
+@case()
+def more_max_shape_kw() -> Setup:
+    return Setup(with_globals(h_max_shape_kw), (t43(),))
+
+
+@case()
+def more_global_rebind() -> Setup:
+    hook = with_globals(h_global_rebind, COUNTER=1)
+    return Setup(hook, (t43(),), {"globals": _Globals(hook.__globals__, "COUNTER")})
+
+
+@case()
+def more_cell_then_read() -> Setup:
+    return Setup(with_globals(h_cell_then_read), (t43(),))
 
 
 # ------------------------------------------------------------------ refused hooks

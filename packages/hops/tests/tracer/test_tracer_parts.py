@@ -351,3 +351,17 @@ def test_symbolic_shapes_are_refused_up_front() -> None:
     assert isinstance(result, HookUnsupported)
     assert result.kind is TraceRefusal.UNSUPPORTED_VALUE
     assert "symbolic shape" in result.explanation
+
+
+class _SizedList(list):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 99
+
+
+def test_container_subclass_overriding_len_is_refused() -> None:
+    ns: dict[str, Any] = {"L": _SizedList()}
+    exec("def hook(t):\n    return t * len(L)\n", ns)
+    result = trace_hook(ns["hook"], (torch.ones(1),))
+    assert isinstance(result, HookUnsupported)
+    assert result.kind is TraceRefusal.UNSUPPORTED_VALUE
+    assert "__len__" in result.explanation

@@ -113,7 +113,7 @@ def get_attr(ctx: TraceContext, v: Value, name: str, depth: int) -> Value:
     if isinstance(v, SuperV):
         return _super_attr(ctx, v, name)
     if isinstance(v, TupleV):
-        fields = getattr(v.cls, "_fields", ())
+        fields = v.fields or getattr(v.cls, "_fields", ())
         if name in fields:
             return v.items[fields.index(name)]
         if name in ("count", "index"):

@@ -253,6 +253,7 @@ def _no_kwargs(name: str, kwargs: dict[str, Value]) -> None:
 def _len(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
     _no_kwargs("len", kwargs)
     (x,) = args
+    ctx.require_base_protocol(x, "__len__")
     if isinstance(x, TensorV):
         return ConstV(python_op(len, x.fake))
     if isinstance(x, DictV):

@@ -314,9 +314,27 @@ class TraceContext:
             v.items = set(v.obj)
         return v.items
 
+    def require_base_protocol(self, v: Value, *dunders: str) -> None:
+        """Refuse a container subclass that overrides one of ``dunders`` (not modelled)."""
+        if not isinstance(v, (ListV, DictV, SetV, TupleV)):
+            return
+        cls = v.py_type
+        base = next((b for b in (list, dict, set, tuple) if issubclass(cls, b)), None)
+        if base is None or cls is base:
+            return
+        for name in dunders:
+            if slot(cls, name) is not slot(base, name):
+                raise refuse(
+                    TraceRefusal.UNSUPPORTED_VALUE,
+                    f"{cls.__qualname__} overrides {name}",
+                    "override only methods the hook calls by name (such as append)",
+                )
+
     def sequence_items(self, v: Value) -> list[Value]:
         """The items of an iterable value, for iteration, unpacking and builtins."""
         from .values import IteratorV
+
+        self.require_base_protocol(v, "__iter__", "__len__")
 
         if isinstance(v, ListV):
             return list(self.list_items(v))
@@ -498,7 +516,7 @@ class TraceContext:
                     )
             if isinstance(out, list):
                 return ListV(None, None, items=items)
-            return TupleV(tuple(items), None, type(out))
+            return TupleV(tuple(items), None, type(out), _field_names(out))
         if is_const(out) or isinstance(out, (torch.finfo, torch.iinfo)):
             # NOTE: the node stays: it may be an in-place op (setitem) returning None.
             return ConstV(out)
@@ -555,6 +573,21 @@ class TraceContext:
             num_slots=len(builder.slots),
         )
         return gm, plan, num_user
+
+
+def _field_names(out: tuple[Any, ...]) -> tuple[str, ...]:
+    """Field names of a namedtuple or a structseq (``torch.return_types.max``), in order."""
+    fields = getattr(type(out), "_fields", None)
+    if fields is not None:
+        return tuple(fields)
+    names: dict[int, str] = {}
+    for name, attr in vars(type(out)).items():
+        if isinstance(attr, types.MemberDescriptorType) and not name.startswith("_"):
+            value = getattr(out, name)
+            for i, item in enumerate(out):
+                if item is value:
+                    names.setdefault(i, name)
+    return tuple(names.get(i, "") for i in range(len(out)))
 
 
 class _PlanBuilder:

@@ -127,6 +127,8 @@ def _sequence_op(ctx: TraceContext, base: str, a: ListV | TupleV, b: Value) -> V
 
 
 def compare(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
+    for v in (a, b):
+        ctx.require_base_protocol(v, "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__")
     if isinstance(a, TensorV) or isinstance(b, TensorV):
         return ctx.call_torch(COMPARE_OPS[symbol], [a, b], {})
     return ConstV(python_op(COMPARE_OPS[symbol], python_value(ctx, a), python_value(ctx, b)))
@@ -156,6 +158,7 @@ def is_same(ctx: TraceContext, a: Value, b: Value) -> bool:
 
 
 def contains(ctx: TraceContext, item: Value, container: Value) -> bool:
+    ctx.require_base_protocol(container, "__contains__")
     if isinstance(container, TensorV) or isinstance(item, TensorV):
         raise refuse(TraceRefusal.TENSOR_VALUE_CONTROL_FLOW, "membership test on a tensor")
     if isinstance(container, DictV):
@@ -181,6 +184,7 @@ def truthy(ctx: TraceContext, v: Value) -> bool:
         )
     if isinstance(v, (ConstV, LazyNum)):
         return bool(python_op(bool, ctx.specialize(v)))
+    ctx.require_base_protocol(v, "__bool__", "__len__")
     if isinstance(v, (ListV, TupleV)):
         return bool(ctx.sequence_items(v))
     if isinstance(v, DictV):
@@ -195,6 +199,7 @@ def truthy(ctx: TraceContext, v: Value) -> bool:
 
 
 def get_item(ctx: TraceContext, container: Value, index: Value) -> Value:
+    ctx.require_base_protocol(container, "__getitem__")
     if isinstance(container, TensorV):
         return ctx.call_torch(operator.getitem, [container, index], {})
     if isinstance(container, DictV):

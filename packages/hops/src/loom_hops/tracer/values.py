@@ -115,6 +115,7 @@ class TupleV(Value):
     items: tuple[Value, ...]
     source: Source | None = None
     cls: type = tuple
+    fields: tuple[str, ...] = ()
 
     @property
     def py_type(self) -> type:
