@@ -311,3 +311,20 @@ def test_getitem_helper_is_not_a_work_node() -> None:
     names = seg.nodes
     assert any(n.startswith("getitem") for n in names)
     assert seg.work_nodes == len(names) - sum(n.startswith("getitem") for n in names)
+
+
+def test_cpu_scalar_constant_is_captured_but_cpu_scalar_input_is_not() -> None:
+    _, (x, s) = fake_inputs(((4,), CUDA), ((), "cpu"))
+    g = torch.fx.Graph()
+    px, ps = g.placeholder("x"), g.placeholder("s")
+    px.meta["val"], ps.meta["val"] = x, s
+    const = g.get_attr("_tensor_constant0")
+    const.meta["val"] = s
+    mul_const = g.call_function(torch.ops.aten.mul.Tensor, (px, const))
+    mul_const.meta["val"] = x
+    mul_input = g.call_function(torch.ops.aten.mul.Tensor, (px, ps))
+    mul_input.meta["val"] = x
+    cuda = torch.device("cuda", 0)
+    assert classify_node(mul_const, cuda) is None
+    reason = classify_node(mul_input, cuda)
+    assert reason is not None and reason.kind is SkipReason.CPU_TENSOR

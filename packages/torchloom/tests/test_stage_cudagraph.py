@@ -54,8 +54,12 @@ def test_inference_replays_match_eager(host_stage: loom_cudagraph.HostCapturer) 
         x = torch.randn(2, 4)
         torch.testing.assert_close(compiled(x, w), f(x, w))
     assert host_stage.captures >= 1 and host_stage.replays >= 3
-    segs = _segments(torchloom.report().entries("cudagraph"))
+    entries = torchloom.report().entries("cudagraph")
+    segs = _segments(entries)
     assert segs and all(captured for _, captured in segs)
+    recordings = [e for e in entries if e.kind == "recording"]
+    assert recordings and recordings[-1].get("recordings") >= 1
+    assert "pool bytes" in recordings[-1].message
 
 
 def test_training_step_matches_eager_outputs_and_gradients(

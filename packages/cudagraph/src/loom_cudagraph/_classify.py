@@ -60,7 +60,12 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 def _vals(node: torch.fx.Node) -> Iterator[Any]:
     yield node.meta.get("val")
     for arg in node.all_input_nodes:
-        yield arg.meta.get("val")
+        val = arg.meta.get("val")
+        # NOTE: a 0-dim CPU constant (``get_attr``) has one value forever, so a
+        # capture that bakes it in stays correct; a CPU scalar *input* would not.
+        if arg.op == "get_attr" and isinstance(val, torch.Tensor) and val.dim() == 0:
+            continue
+        yield val
 
 
 def node_devices(node: torch.fx.Node) -> set[torch.device]:

@@ -20,7 +20,7 @@ import torch.fx
 from loom_cudagraph._capture import Capturer, CudaCapturer
 from loom_cudagraph._plan import PartitionPlan
 from loom_cudagraph._pool import MemoryPool
-from loom_cudagraph._segment import CapturedSegment, SegmentSpec, SegmentStats
+from loom_cudagraph._segment import CapturedSegment, Listener, SegmentSpec, SegmentStats
 from loom_cudagraph._skiplog import report_plan_skips
 from loom_cudagraph._split import split_by_plan
 
@@ -164,10 +164,12 @@ def build_runtime(
     *,
     pool: MemoryPool | None = None,
     capturer: Capturer | None = None,
+    listener: Listener | None = None,
 ) -> CudagraphRuntime:
     """A boxed callable that runs ``gm`` by ``plan``, capturing what the plan allows.
 
-    ``compile_segment`` defaults to :func:`eager_segment_compiler`. Skips in
+    ``compile_segment`` defaults to :func:`eager_segment_compiler`;
+    ``listener(stats, event)`` hears of each recording and runtime skip. Skips in
     the plan are logged and counted here (and raise under ``or_error``), so a
     compile that succeeds has no silent skip.
 
@@ -246,7 +248,7 @@ def build_runtime(
                 options=plan.options,
                 nodes=len(seg.nodes),
             )
-            captured = CapturedSegment(fn, spec, capturer, device, pool)
+            captured = CapturedSegment(fn, spec, capturer, device, pool, listener)
             run = captured
             stats.append(captured)
         else:

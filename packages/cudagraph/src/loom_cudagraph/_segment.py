@@ -91,6 +91,10 @@ class SegmentStats:
     copied_out: tuple[int, ...] = ()
 
 
+#: Told about each recording and runtime skip: ``listener(stats, event)``.
+Listener = Callable[[SegmentStats, str], None]
+
+
 class _Recording:
     __slots__ = (
         "__weakref__",
@@ -194,8 +198,10 @@ class CapturedSegment:
         capturer: Capturer,
         device: torch.device | None,
         shared_pool: MemoryPool | None = None,
+        listener: Listener | None = None,
     ) -> None:
         self.fn = fn
+        self.listener = listener
         self.spec = spec
         self.capturer = capturer
         self.device = device
@@ -363,6 +369,8 @@ class CapturedSegment:
         pool.add(rec)
         table.recordings.append(rec)
         log.debug("cudagraph: %s recorded (%d for this shape)", self.spec.name, table.made)
+        if self.listener is not None:
+            self.listener(self.stats(), "recorded")
         return rec
 
     def _finish(self, rec: _Recording, inputs: list[Any]) -> None:
@@ -427,6 +435,8 @@ class CapturedSegment:
 
     def _skip(self, kind: SkipReason, explanation: str, hint: str, where: str = "") -> Unsupported:
         reason = Unsupported(kind, where or self.spec.name, explanation, hint)
+        if self.listener is not None:
+            self.listener(self.stats(), str(reason))
         report_skip(reason, self.spec.name, self.spec.options)
         return reason
 

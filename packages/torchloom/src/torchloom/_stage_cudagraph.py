@@ -45,6 +45,25 @@ def _options(ctx: GraphContext) -> loom_cudagraph.CudagraphOptions:
     ).with_env()
 
 
+def _listener(ctx: GraphContext) -> Callable[[loom_cudagraph.SegmentStats, str], None]:
+    """Runtime events (recordings, budget skips) become report entries of the graph."""
+
+    def listen(stats: loom_cudagraph.SegmentStats, event: str) -> None:
+        kind = "recording" if event == "recorded" else "runtime-skip"
+        detail = "" if event == "recorded" else f": {event}"
+        ctx.record.add_entry(
+            "cudagraph",
+            kind,
+            f"{stats.name}: {stats.recordings} recordings, {stats.shapes} shapes, "
+            f"{stats.pool_bytes} pool bytes{detail}",
+            segment=stats.name,
+            recordings=stats.recordings,
+            pool_bytes=stats.pool_bytes,
+        )
+
+    return listen
+
+
 class CudagraphStage(PipelineStage):
     """Splits graphs into CUDA-graph segments and runs them through loom's runtime.
 
@@ -115,7 +134,13 @@ class CudagraphStage(PipelineStage):
                 return codegen(seg, inputs, seg_static)
 
             runtime = loom_cudagraph.build_runtime(
-                plan, gm, compile_segment, example_inputs, pool=pool, capturer=self.capturer
+                plan,
+                gm,
+                compile_segment,
+                example_inputs,
+                pool=pool,
+                capturer=self.capturer,
+                listener=_listener(ctx),
             )
         _runtimes.append(runtime)
         state.setdefault("runtimes", []).append(runtime)
