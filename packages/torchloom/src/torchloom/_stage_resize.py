@@ -13,7 +13,7 @@ is an entry of ``torchloom.report()`` under the area ``"resize"``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.fx import GraphModule
@@ -37,10 +37,69 @@ def _record(ctx: GraphContext, graph: str, result: loom_resize.PassResult) -> No
         )
 
 
+def _refuse(ctx: GraphContext, reason: loom_resize.Unsupported, graph: str) -> Exception:
+    ctx.record.add_entry("resize", "refused", f"{graph}: {reason}", kind_=reason.kind.value)
+    return ctx.refuse(f"loom_resize: {reason.explanation}", where=reason.where, hint=reason.hint)
+
+
 class ResizeStage(PipelineStage):
     """Functionalizes FSDP-style storage resizes and removes resize/copy/resize chains."""
 
     name = "resize"
+
+    def wrap_backend(
+        self,
+        ctx: GraphContext,
+        example_inputs: Sequence[Any],
+        compile_cold: Callable[[], Callable[..., Any]],
+    ) -> Callable[..., Any]:
+        """Guard the compiled graph on the storage sizes its resized inputs had.
+
+        The passes decide from those sizes (an input entering empty and leaving
+        empty needs no mutation at all), and Dynamo does not guard on storage
+        sizes; a call whose inputs enter with other sizes runs the graph eagerly.
+        Wrapping here, outside the cache stage, keeps the guard on cache hits.
+        """
+        gm = ctx.dynamo_gm
+        loom_resize.record_input_storage(gm, example_inputs)
+        try:
+            plan = loom_resize.plan_storage_resizes(gm)
+        except loom_resize.ResizeRefused as refused:
+            raise _refuse(ctx, refused.reason, "dynamo") from None
+        compiled = compile_cold()
+        if not plan:
+            return compiled
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        expected = tuple(
+            (names.index(i.name), i.name, i.start_nbytes) for i in plan.inputs if i.name in names
+        )
+        eager = gm.forward
+        warned: list[str] = []
+
+        def guarded(*args: Any) -> Any:
+            for index, name, nbytes in expected:
+                got = args[index].untyped_storage().nbytes()
+                if got != nbytes:
+                    if name not in warned:
+                        warned.append(name)
+                        log.warning(
+                            "graph %d runs eagerly: input %r entered with %d storage bytes, "
+                            "compiled for %d",
+                            ctx.graph_id,
+                            name,
+                            got,
+                            nbytes,
+                        )
+                        ctx.record.add_entry(
+                            "resize",
+                            "guard_failed",
+                            f"input {name!r} entered with {got} bytes, compiled for {nbytes}; "
+                            "ran eagerly",
+                        )
+                    return eager(*args)
+            return compiled(*args)
+
+        return guarded
 
     def before_aot(
         self, ctx: GraphContext, gm: GraphModule, example_inputs: Sequence[Any]
@@ -49,11 +108,7 @@ class ResizeStage(PipelineStage):
         try:
             result = loom_resize.rewrite_fills_as_fsdp_copy(gm)
         except loom_resize.ResizeRefused as refused:
-            reason = refused.reason
-            ctx.record.add_entry("resize", "refused", str(reason), kind_=reason.kind.value)
-            raise ctx.refuse(
-                f"loom_resize: {reason.explanation}", where=reason.where, hint=reason.hint
-            ) from None
+            raise _refuse(ctx, refused.reason, "dynamo") from None
         plan = loom_resize.plan_storage_resizes(gm)
         for info in plan.inputs:
             ctx.record.add_entry("resize", "input", f"dynamo: {info}", case=info.case.value)
@@ -70,12 +125,6 @@ class ResizeStage(PipelineStage):
                 gm = result.graph_module
             result = loom_resize.move_shrinks_after_last_use(gm)
         except loom_resize.ResizeRefused as refused:
-            reason = refused.reason
-            ctx.record.add_entry(
-                "resize", "refused", f"{kind.value}: {reason}", kind_=reason.kind.value
-            )
-            raise ctx.refuse(
-                f"loom_resize: {reason.explanation}", where=reason.where, hint=reason.hint
-            ) from None
+            raise _refuse(ctx, refused.reason, kind.value) from None
         _record(ctx, kind.value, result)
         return result.graph_module
