@@ -199,7 +199,7 @@ def _log_shapes(t):
     return t * 2
 
 
-@case()
+@case(mutate=lambda s: s.hook.__globals__.update(SHAPES=LogList()))
 def shapes_appended_to_global_list() -> Setup:
     shapes: list[Any] = [(1,)]
     return Setup(with_globals(_log_shapes, SHAPES=shapes), (t43(),), {"shapes": shapes})
@@ -232,7 +232,7 @@ def _hook_with_helper(t):
     return t.neg()
 
 
-@case()
+@case(mutate=set_global("_record", lambda stats, t: None))
 def helper_sets_attribute() -> Setup:
     stats = Stats()
     return Setup(with_globals(_hook_with_helper, STATS=stats), (t43(),), {"stats": stats})
@@ -254,7 +254,7 @@ def _log_to_subclass(t):
     return t
 
 
-@case()
+@case(mutate=set_global("LOG", []))
 def list_subclass_with_overridden_append() -> Setup:
     log = LogList()
     return Setup(with_globals(_log_to_subclass, LOG=log), (t43(),), {"log": log})
@@ -270,7 +270,7 @@ def _shadowed(t):
     return total + len
 
 
-@case()
+@case(mutate=set_global("abs", lambda x: x))
 def shadowed_builtin_names() -> Setup:
     return Setup(with_globals(_shadowed), (t43(),))
 
@@ -341,7 +341,7 @@ def _dict_counter(t):
     return t
 
 
-@case()
+@case(mutate=lambda s: s.hook.__globals__["COUNTS"].update(other=1))
 def dict_counter_global() -> Setup:
     counts: dict[str, int] = {"calls": 5}
     return Setup(with_globals(_dict_counter, COUNTS=counts), (t43(),), {"counts": counts})
@@ -370,7 +370,7 @@ def _fstring_key(t):
     return t
 
 
-@case()
+@case(mutate=change_arg(lambda: (torch.ones(2, 2),)))
 def fstring_keys() -> Setup:
     keys: dict[str, int] = {}
     return Setup(with_globals(_fstring_key, KEYS=keys), (t43(),), {"keys": keys})
@@ -449,7 +449,7 @@ def _builtins(t):
     return t * (dims + biggest + smallest + total + len(pairs)) if ok else t
 
 
-@case()
+@case(mutate=change_arg(lambda: (torch.ones(5, 3),)))
 def builtins_len_max_min_isinstance_getattr_zip_enumerate() -> Setup:
     return Setup(with_globals(_builtins), (t43(),))
 
@@ -484,7 +484,7 @@ def _device_branch(t):
     return t.to("cpu")
 
 
-@case()
+@case(mutate=change_arg(lambda: (torch.ones(4, 3, device="meta"),)))
 def branch_on_device() -> Setup:
     return Setup(with_globals(_device_branch), (t43(),))
 
@@ -551,7 +551,7 @@ def _seen_dtypes(t):
     return t
 
 
-@case()
+@case(mutate=lambda s: s.hook.__globals__["SEEN"].add(torch.float32))
 def set_of_seen_dtypes() -> Setup:
     seen: set[Any] = {torch.int8}
     return Setup(with_globals(_seen_dtypes, SEEN=seen), (t43(),), {"seen": seen})
@@ -710,7 +710,7 @@ def _pop_and_clear(t):
     return t
 
 
-@case()
+@case(mutate=lambda s: s.hook.__globals__["QUEUE"].pop())
 def list_pop_insert_with_len_guard() -> Setup:
     q = [1, 2, 3]
     return Setup(with_globals(_pop_and_clear, QUEUE=q), (t43(),), {"q": q})
@@ -886,14 +886,14 @@ def more_nested_nonlocal() -> Setup:
     return Setup(with_globals(h_nested_nonlocal), (t43(),))
 
 
-@case()
+@case(mutate=set_global("HELPER", lambda x: x))
 def more_preexisting_closure_helper() -> Setup:
     helper = _make_helper()
     hook = with_globals(h_preexisting_closure_helper, HELPER=helper)
     return Setup(hook, (t43(),), {"cells": helper.__closure__})
 
 
-@case()
+@case(mutate=lambda s: setattr(s.hook.__globals__["TR"], "record", lambda x: 1))
 def more_method() -> Setup:
     tracker = Tracker()
     return Setup(with_globals(h_method, TR=tracker), (t43(),), {"tracker": tracker})
@@ -944,7 +944,7 @@ def more_isinstance_list() -> Setup:
     return Setup(with_globals(h_isinstance_list), (t43(),))
 
 
-@case()
+@case(mutate=lambda s: s.args[0].update(dtype=torch.float64))
 def more_unpack_dict() -> Setup:
     return Setup(
         with_globals(h_unpack_dict),
@@ -952,7 +952,7 @@ def more_unpack_dict() -> Setup:
     )
 
 
-@case()
+@case(mutate=set_global("sorted", reversed))
 def more_sorted_keys() -> Setup:
     return Setup(with_globals(h_sorted_keys), (t43(),))
 
@@ -968,7 +968,7 @@ def more_global_rebind() -> Setup:
     return Setup(hook, (t43(),), {"globals": _Globals(hook.__globals__, "COUNTER")})
 
 
-@case()
+@case(mutate=change_arg(lambda: (t43().double(),)))
 def more_cell_then_read() -> Setup:
     return Setup(with_globals(h_cell_then_read), (t43(),))
 

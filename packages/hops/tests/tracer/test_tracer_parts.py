@@ -365,3 +365,12 @@ def test_container_subclass_overriding_len_is_refused() -> None:
     assert isinstance(result, HookUnsupported)
     assert result.kind is TraceRefusal.UNSUPPORTED_VALUE
     assert "__len__" in result.explanation
+
+
+def test_three_lists_get_pairwise_distinctness_guards() -> None:
+    ns: dict[str, Any] = {"A": [], "B": [], "C": []}
+    exec("def hook(t):\n    A.append(len(B) + len(C))\n    return t\n", ns)
+    tr = traced(ns["hook"], torch.ones(1))
+    assert sum(g.kind is GuardKind.DISTINCT_FROM for g in tr.guards) == 3
+    ns["C"] = ns["B"]
+    assert not tr.check_guards(torch.ones(1))

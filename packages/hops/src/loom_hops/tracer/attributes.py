@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .context import TraceContext, is_const, slot
+from .guards import GuardKind
 from .refusal import TraceRefusal, refuse
 from .replay import EffectOp
 from .sources import AttrSource
@@ -226,6 +227,9 @@ def _object_attr(ctx: TraceContext, v: ObjectV, name: str, depth: int) -> Value:
             inst_dict[name], AttrSource(v.source, name) if v.source is not None else None
         )
     if static is not None:
+        if inst_dict is not None:
+            # An instance attribute of that name, set later, would shadow the class's.
+            ctx.guard(v.source, GuardKind.INSTANCE_ATTR_ABSENT, name)
         if isinstance(static, types.FunctionType):
             return MethodV(v, name, static)
         if isinstance(static, staticmethod):

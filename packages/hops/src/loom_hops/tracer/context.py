@@ -107,7 +107,7 @@ class TraceContext:
         self.fake_mode = fake_mode
         self.max_depth = max_depth
         self.inputs: list[tuple[Source, torch.fx.Node, torch.Tensor]] = []
-        self.guards: dict[tuple[str, str], Guard] = {}
+        self.guards: dict[str, Guard] = {}
         self.effects: list[_PendingEffect] = []
         self.known: dict[int, Value] = {}
         self.keepalive: list[object] = []

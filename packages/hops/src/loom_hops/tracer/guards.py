@@ -32,6 +32,7 @@ class GuardKind(enum.Enum):
     SAME_AS = "same_as"  # the same object as another source (aliasing seen while tracing)
     DISTINCT_FROM = "distinct_from"  # not the same object as another source (no aliasing seen)
     DICT_KEYS = "dict_keys"  # the keys, in order
+    INSTANCE_ATTR_ABSENT = "instance_attr_absent"  # the name is not in the object's __dict__
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +60,9 @@ class Guard:
     expected: Any = field(compare=False)
 
     @property
-    def key(self) -> tuple[str, str]:
-        return (self.source.describe(), self.kind.value)
+    def key(self) -> str:
+        """Identifies a guard for de-duplication (source, kind and expected value)."""
+        return self.describe()
 
     def describe(self) -> str:
         return f"{self.source.describe()} {self.kind.value} {describe_expected(self.kind, self.expected)}"
@@ -152,4 +154,6 @@ def _conditions(guard: Guard, bind: Callable[[object], str]) -> list[str]:
         return [f"tuple({x}) == {bind(tuple(expected))}"]
     if kind is GuardKind.LEN_EQUALS:
         return [f"len({x}) == {int(expected)}"]
+    if kind is GuardKind.INSTANCE_ATTR_ABSENT:
+        return [f"{str(expected)!r} not in {x}.__dict__"]
     raise AssertionError(kind)
