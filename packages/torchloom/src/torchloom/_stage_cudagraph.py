@@ -45,6 +45,18 @@ def _options(ctx: GraphContext) -> loom_cudagraph.CudagraphOptions:
     ).with_env()
 
 
+def _cudagraph_error(exc: BaseException) -> loom_cudagraph.CudagraphError | None:
+    """The ``CudagraphError`` somewhere in ``exc``'s cause chain, if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, loom_cudagraph.CudagraphError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def _listener(ctx: GraphContext) -> Callable[[loom_cudagraph.SegmentStats, str], None]:
     """Runtime events (recordings, budget skips) become report entries of the graph."""
 
@@ -89,8 +101,9 @@ class CudagraphStage(PipelineStage):
         try:
             return compile_cold()
         except LoomRefusal as refusal:
-            if isinstance(refusal.__cause__, loom_cudagraph.CudagraphError):
-                raise refusal.__cause__ from None
+            error = _cudagraph_error(refusal)
+            if error is not None:
+                raise error from None
             raise
 
     def compile(
