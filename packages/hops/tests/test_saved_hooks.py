@@ -74,7 +74,7 @@ def test_python_hooks_the_tracer_cannot_place_are_refused_with_where(
 def test_a_custom_tracer_is_asked_for_python_hooks() -> None:
     seen = []
 
-    def tracer(pair: HookPair) -> loom_hops.Unsupported:
+    def tracer(pair: HookPair, decompositions: Any) -> loom_hops.Unsupported:
         seen.append(pair)
         return loom_hops.Unsupported(HopsRefusalKind.HOOK_TRACE_FAILED, "here", "no")
 

@@ -204,6 +204,8 @@ class TracedPythonHooks:
         return h.hexdigest()
 
 
-def trace_python_hooks(pair: HookPair) -> TracedPythonHooks | Unsupported:
+def trace_python_hooks(
+    pair: HookPair, decompositions: Decompositions | None = None
+) -> TracedPythonHooks | Unsupported:
     """The :class:`PythonHookTracer` backed by ``loom_hops.tracer``."""
-    return TracedPythonHooks(pair)
+    return TracedPythonHooks(pair, decompositions)

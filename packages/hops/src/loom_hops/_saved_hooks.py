@@ -138,7 +138,9 @@ def fingerprint_hooks(pair: HookPair | None, tracer_fingerprint: str | None = No
 class PythonHookTracer(Protocol):
     """Turns a Python hook pair into :class:`HookGraphs`, or says why not."""
 
-    def __call__(self, pair: HookPair) -> HookGraphs | Unsupported: ...
+    def __call__(
+        self, pair: HookPair, decompositions: Mapping[Any, Callable[..., Any]] | None
+    ) -> HookGraphs | Unsupported: ...
 
 
 def prepare_saved_tensors_hooks(
@@ -178,7 +180,7 @@ def prepare_saved_tensors_hooks(
         from loom_hops._python_hooks import trace_python_hooks
 
         python_tracer = trace_python_hooks
-    return python_tracer(pair)
+    return python_tracer(pair, decompositions)
 
 
 def hook_source_line(fn: Callable[..., Any]) -> str:

@@ -23,6 +23,7 @@ import torch
 from torch.fx import GraphModule
 
 import loom_hops
+from torchloom import _torch_compat as compat
 from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
 from torchloom._stages import GraphContext, GraphKind, PipelineStage
 
@@ -84,7 +85,11 @@ class SavedTensorHooksStage(PipelineStage):
             compiled = compile_cold()
             loom_hops.install_hooks_guard(pair)
             return compiled
-        graphs = loom_hops.prepare_saved_tensors_hooks(pair)
+        # NOTE: hook graphs join graphs AOTAutograd traced with these decompositions.
+        decompositions = (
+            compat.inductor_decompositions() if ctx.options.codegen == "inductor" else None
+        )
+        graphs = loom_hops.prepare_saved_tensors_hooks(pair, decompositions=decompositions)
         if isinstance(graphs, loom_hops.Unsupported):
             self._refuse(ctx, state, graphs)
             compiled = compile_cold()
