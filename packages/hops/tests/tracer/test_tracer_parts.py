@@ -374,3 +374,16 @@ def test_three_lists_get_pairwise_distinctness_guards() -> None:
     assert sum(g.kind is GuardKind.DISTINCT_FROM for g in tr.guards) == 3
     ns["C"] = ns["B"]
     assert not tr.check_guards(torch.ones(1))
+
+
+def test_replacing_a_method_on_the_class_fails_the_guard() -> None:
+    class Recorder:
+        def record(self, x: Any) -> int:
+            return 1
+
+    ns: dict[str, Any] = {"R": Recorder()}
+    exec("def hook(t):\n    return t * R.record(t)\n", ns)
+    tr = traced(ns["hook"], torch.ones(1))
+    assert tr.check_guards(torch.ones(1))
+    Recorder.record = lambda self, x: 2  # type: ignore[method-assign]
+    assert not tr.check_guards(torch.ones(1))

@@ -19,7 +19,7 @@ from .context import TraceContext, is_const, slot
 from .guards import GuardKind
 from .refusal import TraceRefusal, refuse
 from .replay import EffectOp
-from .sources import AttrSource
+from .sources import AttrSource, ObjectSource
 from .values import (
     ConstV,
     FunctionV,
@@ -231,6 +231,10 @@ def _object_attr(ctx: TraceContext, v: ObjectV, name: str, depth: int) -> Value:
             # An instance attribute of that name, set later, would shadow the class's.
             ctx.guard(v.source, GuardKind.INSTANCE_ATTR_ABSENT, name)
         if isinstance(static, types.FunctionType):
+            if v.source is not None and getattr(cls, name, None) is static:
+                # The class dict is mutable too: the method must stay this function.
+                class_source = ObjectSource(cls, f"class {cls.__module__}.{cls.__qualname__}")
+                ctx.guard(AttrSource(class_source, name), GuardKind.IDENTITY, static)
             return MethodV(v, name, static)
         if isinstance(static, staticmethod):
             return ConstV(static.__func__)
