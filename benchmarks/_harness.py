@@ -42,6 +42,7 @@ __all__ = [
     "append_results",
     "env_info",
     "format_table",
+    "fresh_compile_caches",
     "fresh_inductor_cache",
     "parse_args",
     "peak_memory",
@@ -191,18 +192,32 @@ def peak_memory(fn: Callable[[], object], device: DeviceLike) -> int | None:
 
 @contextlib.contextmanager
 def fresh_inductor_cache() -> Iterator[str]:
-    """A fresh, empty ``TORCHINDUCTOR_CACHE_DIR`` (and Triton cache) for cold compiles.
+    """Fresh, empty compile caches for cold compiles: Inductor's, Triton's and loom's.
 
-    Inductor's in-memory caches are cleared on entry and exit, so a compile
-    inside the block is cold for the FX graph cache and the kernel caches.
-    Keep the compiled callable's whole measurement inside the block: a lazily
-    compiled backward would otherwise compile against the default cache.
-    Yields the directory.
+    ``TORCHINDUCTOR_CACHE_DIR`` (with the Triton cache inside it) and
+    ``TORCHLOOM_CACHE_DIR`` point into one new temporary directory; Inductor's
+    in-memory caches are cleared on entry and exit. A compile inside the block
+    is cold for the FX graph cache, the kernel caches and loom's artifact
+    cache. Keep the compiled callable's whole measurement inside the block: a
+    lazily compiled backward would otherwise compile against the default
+    caches. Yields the directory.
     """
     from torch._inductor.utils import fresh_cache
 
     with fresh_cache():
-        yield os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        root = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        saved = os.environ.get("TORCHLOOM_CACHE_DIR")
+        os.environ["TORCHLOOM_CACHE_DIR"] = os.path.join(root, "torchloom")
+        try:
+            yield root
+        finally:
+            if saved is None:
+                os.environ.pop("TORCHLOOM_CACHE_DIR", None)
+            else:
+                os.environ["TORCHLOOM_CACHE_DIR"] = saved
+
+
+fresh_compile_caches = fresh_inductor_cache
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:

@@ -68,8 +68,26 @@ def _fx_cache_counts() -> tuple[int, int]:
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
+def _loom_cache_counts() -> str | None:
+    """loom's own cache lookups since the last ``torchloom.reset()`` (None without loom)."""
+    try:
+        import torchloom
+    except ImportError:
+        return None
+    kinds = [e.kind for e in torchloom.report().entries("cache")]
+    return ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds))) or "none"
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
+
+
+def _reset_loom_report() -> None:
+    try:
+        import torchloom
+    except ImportError:
+        return
+    torchloom.reset()
 
 
 def _warm_process(device: torch.device) -> None:
@@ -100,6 +118,7 @@ def _measure(
         torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
         return step(fn, params, x, w.train)
 
+    _reset_loom_report()
     hits0, misses0 = _fx_cache_counts()
     compile_s = time_once(run, device) if v.compiled else None
     hits, misses = (a - b for a, b in zip(_fx_cache_counts(), (hits0, misses0), strict=True))
@@ -112,6 +131,7 @@ def _measure(
         **timing.as_dict(),
         "compile_s": compile_s,
         "fx_cache": f"{hits} hit / {misses} miss" if v.compiled else None,
+        "loom_cache": _loom_cache_counts() if v.name.startswith("loom") else None,
         "peak_mib": None if mem is None else mem / 2**20,
         "max_abs_diff": diff,
     }
@@ -219,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         notes = (
             f"Sizes: {size}. Compile = first call's wall time (a cold compile: each variant "
             "runs with a fresh, empty TORCHINDUCTOR_CACHE_DIR and a reset Dynamo; "
-            "`fx_cache` counts Inductor FX-graph-cache lookups during it). "
+            "`fx_cache` counts Inductor FX-graph-cache lookups during it, `loom_cache` loom's "
+            "own cache lookups; both caches start empty). "
             f"Ratios are to Inductor.{' Quick run.' if args.quick else ''}\n\n"
             + "\n".join(f"- {line}" for line in verdicts)
         )

@@ -1,8 +1,9 @@
 """Shared fixtures for the integration tier.
 
 Every test starts from a clean compiler state: Dynamo's caches and counters
-and torchloom's report are reset before and after it, so a test's graphs and
-recompiles are its own. ``tests_integration/`` is put on ``sys.path`` so tests
+and torchloom's report are reset before and after it, and loom's artifact
+cache points at an empty directory, so a test's graphs, recompiles and cache
+misses are its own. ``tests_integration/`` is put on ``sys.path`` so tests
 import the program corpus as ``corpus``.
 """
 
@@ -36,7 +37,12 @@ def _reset_compilers() -> None:
 
 
 @pytest.fixture(autouse=True)
-def fresh_compiler_state() -> Iterator[None]:
+def fresh_compiler_state(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    # NOTE: an empty loom cache per test, so every test compiles cold whatever
+    # ran before it (and never reads ~/.cache/torchloom); a test may set its own.
+    monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(tmp_path_factory.mktemp("loom-cache")))
     _reset_compilers()
     yield
     _reset_compilers()
