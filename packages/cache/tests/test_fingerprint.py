@@ -153,3 +153,12 @@ def test_custom_op_python_implementation_enters_the_key() -> None:
         assert _custom_op_code_digest() != before
     finally:
         _CUSTOM_NS["K"] = 2
+
+
+def test_static_input_marking_enters_the_inputs_component() -> None:
+    plain = _traced(_f, torch.randn(3, 4))
+    marked = _traced(_f, torch.randn(3, 4))
+    next(iter(marked.graph.nodes)).meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+    a, b = graph_fingerprint(plain), graph_fingerprint(marked)
+    changed = [x.name for x, y in zip(a.components, b.components, strict=True) if x != y]
+    assert changed == ["inputs"]

@@ -129,7 +129,9 @@ class _Canonicalizer:
         op = node.op
         if op == "placeholder":
             self.parts.graph.append(("placeholder", self._default(node)))
-            self.parts.inputs.append(self._meta(node))
+            # Parameters and buffers are static inputs (fixed addresses): that changes codegen.
+            static = (node.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type")
+            self.parts.inputs.append((self._meta(node), str(static) if static else None))
         elif op == "output":
             self.parts.graph.append(("output", self._arg(node.args, index, node)))
         elif op == "get_attr":
