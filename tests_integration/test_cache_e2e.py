@@ -92,7 +92,13 @@ def test_second_process_hits_on_the_gpu(tmp_path: Path) -> None:
     cold = _run(_env(tmp_path), device="cuda", codegen="inductor")
     warm = _run(_env(tmp_path), device="cuda", codegen="inductor")
     assert cold["cache"] == ["miss", "stored"] and warm["cache"] == ["hit"]
-    _assert_same_numbers(cold, warm)
+    assert "partition" not in warm["stages"]
+    # The same kernels run; a tolerance only guards against run-to-run GPU reduction order.
+    import torch
+
+    torch.testing.assert_close(torch.tensor(warm["out"]), torch.tensor(cold["out"]))
+    for a, b in zip(warm["grads"], cold["grads"], strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b))
 
 
 def _free_port() -> int:
