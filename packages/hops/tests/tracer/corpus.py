@@ -973,6 +973,33 @@ def more_cell_then_read() -> Setup:
     return Setup(with_globals(h_cell_then_read), (t43(),))
 
 
+def _closure_tensor() -> Callable[..., Any]:
+    scale = torch.full((3,), 0.5)
+
+    def pack(t):
+        return t * scale
+
+    return pack
+
+
+@case(mutate=set_cell(0, torch.full((4,), 0.5)))
+def tensor_in_closure_is_a_lifted_graph_input() -> Setup:
+    return Setup(_closure_tensor(), (t43(),))
+
+
+def h_shared_new_row(t):
+    row = [t.shape[0]]
+    LOG.append(row)
+    LOG.append(row)
+    row.append(t.ndim)
+    return t
+
+
+@case()
+def new_list_stored_twice_keeps_identity() -> Setup:
+    return with_log(h_shared_new_row)
+
+
 # ------------------------------------------------------------------ refused hooks
 
 

@@ -36,6 +36,10 @@ def assert_same(expected: Any, actual: Any, path: str = "result") -> None:
     assert type(expected) is type(actual), f"{path}: {type(expected)} != {type(actual)}"
     if isinstance(expected, (list, tuple)):
         assert len(expected) == len(actual), path
+        aliases = [
+            (i, j) for i in range(len(expected)) for j in range(i) if expected[i] is expected[j]
+        ]
+        assert all(actual[i] is actual[j] for i, j in aliases), f"{path}: aliasing differs"
         for i, (x, y) in enumerate(zip(expected, actual, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
         if hasattr(expected, "__dict__"):
@@ -131,3 +135,10 @@ def test_unsupported_hook_is_refused_with_reason_and_line(case: Case) -> None:
     assert result.kind is case.refusal, str(result)
     assert result.where == refused_line(setup), str(result)
     assert result.explanation
+
+
+@pytest.mark.parametrize("case", SUPPORTED, ids=[c.name for c in SUPPORTED])
+def test_tracing_leaves_the_hooks_state_untouched(case: Case) -> None:
+    untouched, setup = case.build(), case.build()
+    assert isinstance(trace_hook(setup.hook, setup.args), TracedHook)
+    assert_same(untouched.state, setup.state, "state")
