@@ -20,7 +20,7 @@ from loom_cudagraph._reasons import SkipReason, Unsupported
 from loom_cudagraph._registry import lookup_rule, op_name
 from loom_cudagraph._torch_compat import OpOverload, free_unbacked_symbols
 
-__all__ = ["classify_node", "node_devices", "source_location", "touches_device"]
+__all__ = ["classify_node", "first_use_source", "node_devices", "source_location", "touches_device"]
 
 _COPY_OPS = frozenset(
     {
@@ -47,6 +47,15 @@ def source_location(node: torch.fx.Node) -> str:
             text = f"{last['file']}:{last['line']} in {last['fn']}"
             return f"{text}: {code[0].strip()}" if code else text
     return f"node {node.name}"
+
+
+def first_use_source(node: torch.fx.Node) -> str:
+    """The source line of ``node`` or, for a placeholder, of its first user that has one."""
+    for user in (node, *node.users):
+        where = source_location(user)
+        if not where.startswith("node "):
+            return where
+    return source_location(node)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

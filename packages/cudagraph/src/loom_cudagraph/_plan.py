@@ -20,7 +20,12 @@ from typing import Any
 import torch
 import torch.fx
 
-from loom_cudagraph._classify import classify_node, source_location, touches_device
+from loom_cudagraph._classify import (
+    classify_node,
+    first_use_source,
+    source_location,
+    touches_device,
+)
 from loom_cudagraph._options import CudagraphOptions
 from loom_cudagraph._reasons import SkipReason, Unsupported
 from loom_cudagraph._torch_compat import OpOverload, mutated_args
@@ -54,6 +59,8 @@ class SegmentPlan:
     outputs: tuple[str, ...]
     passthrough: tuple[str, ...] = ()
     mutated_inputs: tuple[str, ...] = ()
+    #: For each input, the user's source line of its first use (for messages).
+    input_sources: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -77,6 +84,7 @@ class SegmentPlan:
             outputs=tuple(data["outputs"]),
             passthrough=tuple(data["passthrough"]),
             mutated_inputs=tuple(data["mutated_inputs"]),
+            input_sources=tuple(data.get("input_sources", ())),
         )
 
 
@@ -407,6 +415,7 @@ def plan_graph(
                 inputs=tuple(a.name for a in inputs),
                 outputs=tuple(n.name for n in [*outputs, *through]),
                 passthrough=tuple(a.name for a in through),
+                input_sources=tuple(first_use_source(a) for a in inputs),
                 mutated_inputs=tuple(
                     sorted(
                         (a.name for a in mutated.get(i, ())),

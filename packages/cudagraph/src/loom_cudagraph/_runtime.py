@@ -28,7 +28,9 @@ __all__ = [
     "CompileSegment",
     "CudagraphRuntime",
     "RuntimeStats",
+    "assemble_runtime",
     "build_runtime",
+    "compile_segments",
     "eager_segment_compiler",
     "new_pool",
 ]
@@ -138,22 +140,25 @@ def _uncaptured_stats(plan: PartitionPlan, index: int, name: str) -> SegmentStat
     return SegmentStats(name, False, seg.reasons, len(seg.nodes), 0, 0, 0, 0, 0)
 
 
-def _whole_graph_runtime(
+def compile_segments(
     plan: PartitionPlan,
     gm: torch.fx.GraphModule,
-    compile_segment: CompileSegment,
-    example_inputs: Sequence[Any],
-    n_outputs: int,
-) -> CudagraphRuntime:
-    n_inputs = len(plan.placeholders)
-    fn = compile_segment(gm, list(example_inputs), plan.static_inputs)
-    writes = tuple(range(n_inputs, n_inputs + n_outputs))
-    steps: list[Step] = [(fn, tuple(range(n_inputs)), writes, ())]
-    stats: list[SegmentStats | CapturedSegment] = [
-        _uncaptured_stats(plan, i, f"{plan.graph}/{s.name}") for i, s in enumerate(plan.segments)
-    ]
-    outputs: list[tuple[int, Any]] = [(slot, None) for slot in writes]
-    return CudagraphRuntime(plan, steps, outputs, n_inputs + n_outputs, stats)
+    compile_segment: CompileSegment | None = None,
+    example_inputs: Sequence[Any] = (),
+) -> list[BoxedFn]:
+    """Each segment's compiled code, in plan order (the whole graph as one piece
+    when nothing is captured)."""
+    compile_segment = compile_segment or eager_segment_compiler
+    if not plan.captured_segments:
+        return [compile_segment(gm, list(example_inputs), plan.static_inputs)]
+    slot = {name: i for i, name in enumerate(plan.placeholders)}
+    fns = []
+    for seg, module in zip(plan.segments, split_by_plan(gm, plan, example_inputs), strict=True):
+        static = tuple(
+            i for i, n in enumerate(seg.inputs) if n in slot and slot[n] in plan.static_inputs
+        )
+        fns.append(compile_segment(module.gm, module.example_inputs, static))
+    return fns
 
 
 def build_runtime(
@@ -170,7 +175,7 @@ def build_runtime(
 
     ``compile_segment`` defaults to :func:`eager_segment_compiler`;
     ``listener(stats, event)`` hears of each recording and runtime skip. Skips in
-    the plan are logged and counted here (and raise under ``or_error``), so a
+    the plan are logged and counted first (and raise under ``or_error``), so a
     compile that succeeds has no silent skip.
 
     >>> plan = plan_graph(gm, example_inputs, static_input_indices=(0,))   # doctest: +SKIP
@@ -178,19 +183,58 @@ def build_runtime(
     >>> outs = run(list(real_inputs))                                      # doctest: +SKIP
     """
     report_plan_skips(plan)
-    compile_segment = compile_segment or eager_segment_compiler
-    n_inputs = len(plan.placeholders)
+    fns = compile_segments(plan, gm, compile_segment, example_inputs)
     node_outputs = gm.graph.output_node().args[0]
-    flat_outputs = list(node_outputs) if isinstance(node_outputs, list | tuple) else [node_outputs]
-    placeholder_slot = {name: i for i, name in enumerate(plan.placeholders)}
+    flat = list(node_outputs) if isinstance(node_outputs, list | tuple) else [node_outputs]
+    constants = tuple(None if isinstance(o, torch.fx.Node) else o for o in flat)
+    return assemble_runtime(
+        plan,
+        fns,
+        output_constants=constants,
+        pool=pool,
+        capturer=capturer,
+        listener=listener,
+        report_skips=False,
+    )
 
+
+def assemble_runtime(
+    plan: PartitionPlan,
+    segment_fns: Sequence[BoxedFn],
+    *,
+    output_constants: Sequence[Any] | None = None,
+    pool: MemoryPool | None = None,
+    capturer: Capturer | None = None,
+    listener: Listener | None = None,
+    report_skips: bool = True,
+) -> CudagraphRuntime:
+    """The runtime from already compiled segments (what :func:`compile_segments`
+    returned, or their cached copies): a cache hit needs no graph module and
+    reports the same skips as the cold compile.
+
+    ``output_constants`` gives the graph's non-tensor outputs, aligned with
+    ``plan.graph_outputs`` (``None`` where the output is a node).
+    """
+    if report_skips:
+        report_plan_skips(plan)
+    n_inputs = len(plan.placeholders)
+    constants = list(output_constants or [None] * len(plan.graph_outputs))
     if not plan.captured_segments:
-        return _whole_graph_runtime(plan, gm, compile_segment, example_inputs, len(flat_outputs))
+        (fn,) = segment_fns
+        writes = tuple(range(n_inputs, n_inputs + len(plan.graph_outputs)))
+        stats: list[SegmentStats | CapturedSegment] = [
+            _uncaptured_stats(plan, i, f"{plan.graph}/{s.name}")
+            for i, s in enumerate(plan.segments)
+        ]
+        whole: list[tuple[int, Any]] = [(slot, None) for slot in writes]
+        return CudagraphRuntime(
+            plan, [(fn, tuple(range(n_inputs)), writes, ())], whole, n_inputs + len(writes), stats
+        )
 
     device = torch.device(plan.device) if plan.device else None
     if capturer is None:
         capturer = CudaCapturer(device or torch.device("cuda"))
-    modules = split_by_plan(gm, plan, example_inputs)
+    placeholder_slot = {name: i for i, name in enumerate(plan.placeholders)}
     graph_outputs = {o for o in plan.graph_outputs if o is not None}
 
     # Slot bookkeeping: ``read`` maps a value name to the slot later segments read it from.
@@ -201,14 +245,14 @@ def build_runtime(
     seg_writes: list[tuple[int, ...]] = []
     for seg in plan.segments:
         seg_reads.append(tuple(read[name] for name in seg.inputs))
-        writes = []
+        writes_ = []
         for name in seg.outputs:
-            writes.append(n_slots)
+            writes_.append(n_slots)
             read[name] = n_slots
             if name not in seg.passthrough:
                 final[name] = n_slots
             n_slots += 1
-        seg_writes.append(tuple(writes))
+        seg_writes.append(tuple(writes_))
     last_read: dict[int, int] = {}
     for k, reads in enumerate(seg_reads):
         for slot in reads:
@@ -220,22 +264,21 @@ def build_runtime(
             frees[k].append(slot)
 
     steps: list[Step] = []
-    stats: list[SegmentStats | CapturedSegment] = []
-    for k, (seg, module) in enumerate(zip(plan.segments, modules, strict=True)):
-        static_positions = tuple(
-            i
-            for i, name in enumerate(seg.inputs)
-            if name in placeholder_slot and placeholder_slot[name] in plan.static_inputs
-        )
-        fn = compile_segment(module.gm, module.example_inputs, static_positions)
+    stats = []
+    for k, (seg, fn) in enumerate(zip(plan.segments, segment_fns, strict=True)):
         name = f"{plan.graph}/{seg.name}"
         run: BoxedFn
         if seg.captured:
+            static_positions = frozenset(
+                i
+                for i, n in enumerate(seg.inputs)
+                if n in placeholder_slot and placeholder_slot[n] in plan.static_inputs
+            )
             spec = SegmentSpec(
                 name=name,
                 input_names=seg.inputs,
-                input_sources=module.input_sources,
-                static_positions=frozenset(static_positions),
+                input_sources=seg.input_sources or tuple("" for _ in seg.inputs),
+                static_positions=static_positions,
                 mutated_positions=frozenset(
                     i for i, n in enumerate(seg.inputs) if n in seg.mutated_inputs
                 ),
@@ -256,6 +299,7 @@ def build_runtime(
             stats.append(_uncaptured_stats(plan, k, name))
         steps.append((run, seg_reads[k], seg_writes[k], tuple(sorted(frees[k]))))
     outputs: list[tuple[int, Any]] = [
-        (final[o.name], None) if isinstance(o, torch.fx.Node) else (-1, o) for o in flat_outputs
+        (final[o], None) if o is not None else (-1, c)
+        for o, c in zip(plan.graph_outputs, constants, strict=True)
     ]
     return CudagraphRuntime(plan, steps, outputs, n_slots, stats)

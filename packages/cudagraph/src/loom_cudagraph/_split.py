@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.fx
 
-from loom_cudagraph._classify import source_location
 from loom_cudagraph._plan import PartitionPlan, PlanError, SegmentPlan
 
 __all__ = ["SegmentModule", "split_by_plan"]
@@ -37,14 +36,6 @@ class SegmentModule:
         self.gm = gm
         self.example_inputs = example_inputs
         self.input_sources = input_sources
-
-
-def _first_user_source(node: torch.fx.Node) -> str:
-    for user in node.users:
-        where = source_location(user)
-        if not where.startswith("node "):
-            return where
-    return source_location(node)
 
 
 def split_by_plan(
@@ -75,6 +66,5 @@ def split_by_plan(
         module = torch.fx.GraphModule(gm, g, class_name=seg.name)
         module.graph.lint()  # type: ignore[no-untyped-call]
         inputs = [examples[n] if n in examples else nodes[n].meta.get("val") for n in seg.inputs]
-        sources = tuple(_first_user_source(nodes[n]) for n in seg.inputs)
-        out.append(SegmentModule(seg, module, inputs, sources))
+        out.append(SegmentModule(seg, module, inputs, seg.input_sources))
     return out
