@@ -145,3 +145,20 @@ def test_refusal_kinds_are_told_apart_from_left_alone_reasons() -> None:
         ResizeKind.INTERMEDIATE,
         ResizeKind.DIFFERENTIABLE_FILL,
     }
+
+
+def test_item_of_a_list_input_counts_as_a_graph_input() -> None:
+    import operator
+
+    from loom_resize import record_input_storage
+
+    b = GraphBuilder()
+    inputs = b.graph.placeholder("inputs")
+    weight = b.call(operator.getitem, inputs, 1)
+    weight.meta["example_value"] = empty_param(4, 4)
+    b.resize(weight, 64)
+    b.resize(weight, 0)
+    gm = b.build(weight)
+    record_input_storage(gm, [[torch.randn(2), empty_param(4, 4)]])
+    (info,) = plan_storage_resizes(gm).inputs
+    assert (info.case, info.position, info.start_nbytes) == (ResizeCase.UP_DOWN, (0, 1), 0)

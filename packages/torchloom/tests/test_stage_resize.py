@@ -166,3 +166,26 @@ def test_call_whose_parameter_enters_with_storage_runs_eagerly() -> None:
     assert full.untyped_storage().nbytes() == 0
     (message,) = _messages("guard_failed")
     assert "entered with 64 bytes, compiled for 0" in message
+
+
+def test_backward_gather_traced_by_compiled_autograd_loses_its_chains() -> None:
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    reference = FSDPPatternStack(2, 16, fill="copy")
+    want = _steps(reference, reference, x)
+    model = FSDPPatternStack(2, 16, fill="copy")
+    compiled = torch.compile(model, backend="loom", options=EAGER, fullgraph=True)
+    backward_compiler = torch.compile(backend="loom", options=EAGER, fullgraph=True)
+    with compiled_autograd._enable(backward_compiler):
+        got = _steps(model, compiled, x)
+    for (o1, g1, w1, f1, b1), (o2, g2, w2, f2, b2) in zip(got, want, strict=True):
+        torch.testing.assert_close(o1, o2)
+        torch.testing.assert_close(g1, g2)
+        for a, b in zip(w1, w2, strict=True):
+            torch.testing.assert_close(a, b)
+        assert (f1, b1) == (f2, b2)
+    assert all(g.fallback is None for g in torchloom.report())
+    # the compiled-autograd graph gets its weights as items of one list input
+    removed = _messages("remove_resize_copy_resize")
+    assert sum(m.startswith("inference: ") for m in removed) == 2

@@ -8,6 +8,7 @@ graphs, so each pass can run on either.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,7 @@ __all__ = [
     "example_value",
     "fill_pairs",
     "finish_graph",
+    "input_position",
     "is_fill",
     "is_resize",
     "location",
@@ -29,6 +31,29 @@ __all__ = [
     "resize_size",
     "storage_nbytes",
 ]
+
+
+def input_position(node: Node) -> tuple[int, ...] | None:
+    """Where a graph input sits in the graph's arguments, or None for a computed tensor.
+
+    A placeholder is ``(i,)``; an item of a list placeholder (compiled
+    autograd passes its inputs as one list) is ``(i, j)``.
+    """
+    if node.op == "placeholder":
+        return (_placeholder_index(node),)
+    if (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], Node)
+        and node.args[0].op == "placeholder"
+        and isinstance(node.args[1], int)
+    ):
+        return (_placeholder_index(node.args[0]), node.args[1])
+    return None
+
+
+def _placeholder_index(node: Node) -> int:
+    return [n for n in node.graph.nodes if n.op == "placeholder"].index(node)
 
 
 def is_resize(node: Node) -> bool:

@@ -93,8 +93,7 @@ class FSDPPatternStack(nn.Module):
 
         def gather_all(grad: torch.Tensor) -> torch.Tensor:
             for i in range(len(self.weights)):
-                if self.weights[i].untyped_storage().nbytes() == 0:
-                    self._gather(i)
+                self._gather(i)
             return grad
 
         out.register_hook(gather_all)  # type: ignore[no-untyped-call]

@@ -22,6 +22,7 @@ from loom_resize._errors import ResizeKind, ResizeRefused, Unsupported
 from loom_resize._nodes import (
     example_value,
     fill_pairs,
+    input_position,
     is_fill,
     is_resize,
     location,
@@ -66,6 +67,9 @@ class InputResizes:
     full_nbytes: int
     resizes: tuple[str, ...]
     fills: tuple[str, ...]
+    #: Where the input sits in the graph's arguments: ``(i,)``, or ``(i, j)`` for
+    #: item ``j`` of list argument ``i`` (compiled autograd's inputs).
+    position: tuple[int, ...] = ()
 
     @property
     def case(self) -> ResizeCase:
@@ -106,7 +110,7 @@ def _refuse(
 def _check_input(resize: Node) -> Node:
     target = resize.args[0]
     assert isinstance(target, Node)
-    if target.op not in ("placeholder", "get_attr"):
+    if input_position(target) is None:
         raise _refuse(
             ResizeKind.INTERMEDIATE,
             target,
@@ -213,19 +217,28 @@ def plan_storage_resizes(gm: GraphModule) -> ResizePlan:
                 full,
                 tuple(n.name for n in nodes),
                 tuple(dict.fromkeys(n.name for n in fills[target])),
+                input_position(target) or (),
             )
         )
     return ResizePlan(tuple(inputs))
 
 
 def record_input_storage(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
-    """Record each tensor input's real storage size on its placeholder.
+    """Record each tensor input's real storage size on its node.
 
     Call it on the Dynamo graph with the real example inputs the backend got,
-    so the plan knows which inputs enter with zero storage.
+    so the plan knows which inputs enter with zero storage. Items of a list
+    argument (compiled autograd's inputs) are recorded on their ``getitem``.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs, strict=False):
         size = storage_nbytes(value)
         if size is not None:
             node.meta[STORAGE_NBYTES] = size
+        elif isinstance(value, (list, tuple)):
+            for user in node.users:
+                position = input_position(user)
+                if position is not None and len(position) == 2 and position[1] < len(value):
+                    item = storage_nbytes(value[position[1]])
+                    if item is not None:
+                        user.meta[STORAGE_NBYTES] = item

@@ -69,16 +69,16 @@ class ResizeStage(PipelineStage):
         compiled = compile_cold()
         if not plan:
             return compiled
-        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        expected = tuple(
-            (names.index(i.name), i.name, i.start_nbytes) for i in plan.inputs if i.name in names
-        )
+        expected = tuple((i.position, i.name, i.start_nbytes) for i in plan.inputs if i.position)
         eager = gm.forward
         warned: list[str] = []
 
         def guarded(*args: Any) -> Any:
-            for index, name, nbytes in expected:
-                got = args[index].untyped_storage().nbytes()
+            for position, name, nbytes in expected:
+                value: Any = args
+                for i in position:
+                    value = value[i]
+                got = value.untyped_storage().nbytes()
                 if got != nbytes:
                     if name not in warned:
                         warned.append(name)
