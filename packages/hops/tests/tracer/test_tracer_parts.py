@@ -387,3 +387,22 @@ def test_replacing_a_method_on_the_class_fails_the_guard() -> None:
     assert tr.check_guards(torch.ones(1))
     Recorder.record = lambda self, x: 2  # type: ignore[method-assign]
     assert not tr.check_guards(torch.ones(1))
+
+
+class _Offloader:
+    def __init__(self) -> None:
+        self.packed = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        self.packed += 1
+        return (t.device, t.to("cpu"))
+
+
+def test_bound_method_hook_is_traced_with_self_as_state() -> None:
+    eager, via_trace = _Offloader(), _Offloader()
+    x = torch.randn(3)
+    expected = eager.pack(x)
+    tr = traced(via_trace.pack, x)
+    actual = tr.run(x)
+    assert expected[0] == actual[0] and torch.equal(expected[1], actual[1])
+    assert eager.packed == via_trace.packed == 1

@@ -22,7 +22,7 @@ from .fingerprint import compute_fingerprint
 from .frame import inline_call, make_root_function
 from .guards import compile_guards
 from .refusal import HookUnsupported, Refused, TraceRefusal, refuse
-from .sources import ArgSource
+from .sources import ArgSource, ObjectSource
 from .traced import TracedHook
 
 log = logging.getLogger("torchloom.hops.tracer")
@@ -39,18 +39,23 @@ def trace_hook(
     ...     return (t.dtype, t.to(torch.bfloat16))
     >>> traced = trace_hook(pack, (torch.randn(4),))  # doctest: +SKIP
     """
-    if not isinstance(fn, types.FunctionType):
+    func = fn.__func__ if isinstance(fn, types.MethodType) else fn
+    if not isinstance(func, types.FunctionType):
         return HookUnsupported(
             TraceRefusal.UNSUPPORTED_CALL,
             "<hook>",
-            f"the hook is a {type(fn).__qualname__}, not a Python function",
+            f"the hook is a {type(fn).__qualname__}, not a Python function or method",
             "pass a plain function (wrap callables in a def)",
         )
     ctx = TraceContext(_fake_mode_for(example_args), max_depth=max_depth)
-    ctx.where = f"{fn.__code__.co_filename.rsplit('/', 1)[-1]}:{fn.__code__.co_firstlineno}"
+    ctx.where = f"{func.__code__.co_filename.rsplit('/', 1)[-1]}:{func.__code__.co_firstlineno}"
     try:
-        root = make_root_function(fn, ctx)
+        root = make_root_function(func, ctx)
         args = [ctx.wrap(a, ArgSource(i)) for i, a in enumerate(example_args)]
+        if isinstance(fn, types.MethodType):
+            # A bound method hook: its ``self`` is held by the method, so by identity here.
+            label = f"self of {func.__module__}.{func.__qualname__}"
+            args.insert(0, ctx.wrap(fn.__self__, ObjectSource(fn.__self__, label)))
         result = inline_call(ctx, root, args, {}, depth=0)
         torch_gm, plan, num_user = ctx.finish(result)
         plan.check()
@@ -59,10 +64,10 @@ def trace_hook(
         if exc.where is None:
             exc.where = ctx.where
         refusal = exc.to_unsupported()
-        log.debug("hook %s refused: %s", fn.__qualname__, refusal)
+        log.debug("hook %s refused: %s", func.__qualname__, refusal)
         return refusal
     except Exception as exc:  # a tracer bug must never become a wrong trace
-        log.warning("hook tracer failed on %s", fn.__qualname__, exc_info=True)
+        log.warning("hook tracer failed on %s", func.__qualname__, exc_info=True)
         return HookUnsupported(
             TraceRefusal.TRACER_ERROR,
             ctx.where,
@@ -86,7 +91,7 @@ def trace_hook(
         opaque_calls=tuple(ctx.opaque_calls),
         torch_graph=torch_gm,
     )
-    log.debug("traced hook %s\n%s", fn.__qualname__, traced.describe())
+    log.debug("traced hook %s\n%s", func.__qualname__, traced.describe())
     return traced
 
 

@@ -30,7 +30,7 @@ class TracedHook:
     ...     packed = traced.run(x)                  # same result and side effects as pack(x)
     """
 
-    fn: types.FunctionType = field(repr=False)
+    fn: types.FunctionType | types.MethodType = field(repr=False)
     graph: torch.fx.GraphModule = field(repr=False)
     input_sources: tuple[Source, ...]
     num_user_outputs: int
