@@ -134,6 +134,14 @@ def test_view_returned_for_backward_leaves_the_chain_alone() -> None:
     assert reason.kind is ResizeKind.VIEW_ESCAPES and not result.modified
 
 
+def test_view_of_a_view_returned_for_backward_leaves_the_chain_alone() -> None:
+    def nested(b: GraphBuilder, p: torch.fx.Node) -> torch.fx.Node:
+        return b.call(aten.view.default, b.call(aten.t.default, p), [16])
+
+    (reason,) = remove_resize_copy_resize(_chain_with(nested)).left_alone
+    assert reason.kind is ResizeKind.VIEW_ESCAPES and "view_default" in reason.explanation
+
+
 def test_other_mutation_of_the_input_leaves_the_chain_alone() -> None:
     gm = _chain_with(lambda b, p: (b.call(aten.add_.Tensor, p, 1), None)[1])
     (reason,) = remove_resize_copy_resize(gm).left_alone

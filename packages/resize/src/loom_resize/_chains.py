@@ -11,6 +11,7 @@ Dynamo graph it would cut the parameter out of autograd.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -57,16 +58,24 @@ def _is_view(node: Node) -> bool:
 
 
 def _escaping_view(window: Iterable[Node], target: Node, output: Node) -> Node | None:
-    aliases = {target}
-    for node in window:
-        if _is_view(node) and node.args[:1] and node.args[0] in aliases:
-            aliases.add(node)
-            if output in node.users:
-                return node
+    """A view of ``target`` made in the window (directly or through other views)
+    that the graph returns, if any."""
+    frontier = [n for n in window if _is_view(n) and n.args[:1] == (target,)]
+    seen: set[Node] = set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if output in node.users:
+            return node
+        frontier.extend(u for u in node.users if _is_view(u) and u.args[:1] == (node,))
     return None
 
 
 def _same_metadata(dst: Node, src: object) -> str | None:
+    if not isinstance(src, Node):
+        return "the source is not a node of the graph"
     d, s = example_value(dst), example_value(src)
     if not isinstance(s, torch.Tensor) or not isinstance(d, torch.Tensor):
         return "the source is not a tensor"
@@ -78,11 +87,22 @@ def _same_metadata(dst: Node, src: object) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Chain:
+    """One ``resize up -> fill -> uses -> resize to 0`` window on an input."""
+
+    up: Node
+    fill: Node
+    source: Node
+    uses: tuple[Node, ...]
+    down: Node
+
+
 def _chains(
     nodes: list[Node], target: Node, output: Node
-) -> tuple[list[tuple[Node, Node, object, list[Node], Node]], Unsupported | None]:
-    """Split the target's events into (resize up, fill, source, uses, resize down) chains."""
-    chains: list[tuple[Node, Node, object, list[Node], Node]] = []
+) -> tuple[list[_Chain], Unsupported | None]:
+    """Split the target's events into chains, or say why they do not split."""
+    chains: list[_Chain] = []
     state = "idle"
     up = fill = None
     src: object = None
@@ -100,7 +120,8 @@ def _chains(
                 state, up = "up", node
             elif not resize_size(node) and state == "filled":
                 assert up is not None and fill is not None
-                chains.append((up, fill, src, uses, node))
+                assert isinstance(src, Node)
+                chains.append(_Chain(up, fill, src, tuple(uses), node))
                 state, uses = "idle", []
             else:
                 return [], left(
@@ -124,8 +145,8 @@ def _chains(
             return [], left(ResizeKind.UNPAIRED_RESIZES, f"{node.name} reads it before the fill")
     if state != "idle":
         return [], left(ResizeKind.UNPAIRED_RESIZES, "a resize-up is not matched by a resize to 0")
-    for _, _, _, window, _ in chains:
-        if (view := _escaping_view(window, target, output)) is not None:
+    for chain in chains:
+        if (view := _escaping_view(chain.uses, target, output)) is not None:
             return [], left(
                 ResizeKind.VIEW_ESCAPES,
                 f"view {view.name!r} of it is returned; reading the source would keep the "
@@ -168,16 +189,15 @@ def remove_resize_copy_resize(gm: GraphModule) -> PassResult:
         if reason is not None:
             left_alone.append(reason)
             continue
-        reads = 0
-        for up, fill, src, uses, down in chains:
-            for use in uses:
-                use.replace_input_with(target, src)  # type: ignore[arg-type]
+        for chain in chains:
+            for use in chain.uses:
+                use.replace_input_with(target, chain.source)
                 use.meta["loom_pass"] = PASS
-                reads += 1
-            _drop_fill(gm, fill, target)
-            gm.graph.erase_node(up)
-            gm.graph.erase_node(down)
-        sources = ", ".join(sorted({getattr(s, "name", repr(s)) for _, _, s, _, _ in chains}))
+            _drop_fill(gm, chain.fill, target)
+            gm.graph.erase_node(chain.up)
+            gm.graph.erase_node(chain.down)
+        reads = sum(len(c.uses) for c in chains)
+        sources = ", ".join(sorted({c.source.name for c in chains}))
         changes.append(
             Change(
                 PASS,
