@@ -9,8 +9,10 @@ each after its gradient is accumulated (the same in every variant). Without
 the pass the compiled forward allocates each weight's own storage next to the
 gathered buffer, as eager does; with it, the layer reads the gathered buffer.
 
-Reported per variant: the forward's peak memory above the step's starting
-point, the whole step's peak, the median step time, and ratios to eager.
+Reported per variant: the parameter storage the forward allocates (resizes
+up left in the compiled forward graph; every weight in eager), the forward's
+peak memory above the step's starting point and the whole step's peak (CUDA
+only), the median step time, and ratios to eager.
 
     python benchmarks/bench_resize.py --device cuda
     python benchmarks/bench_resize.py --device cpu --quick --no-append
@@ -18,6 +20,7 @@ point, the whole step's peak, the median step time, and ratios to eager.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import append_results, format_table, parse_args, peak_memory, ratio, time_fn
 
+import torchloom
 from loom_resize import FSDPPatternStack
 
 
@@ -51,11 +55,24 @@ def _step(
     return out.detach()
 
 
+def _forward_param_allocations(options: dict[str, Any] | None, layers: int, dim: int) -> int:
+    """Bytes of parameter storage the forward allocates (its resizes up): every
+    layer's weight in eager; in loom, what the compiled forward graph still resizes."""
+    if options is None:
+        return layers * dim * dim * 4
+    codes = [dict(g.graphs).get("forward", "") for g in torchloom.report()]
+    return sum(int(n) for code in codes for n in _RESIZE.findall(code or ""))
+
+
+_RESIZE = re.compile(r"resize_storage_bytes_\.default\(\w+, (\d+)\)")
+
+
 def _measure(
     name: str, options: dict[str, Any] | None, layers: int, dim: int, x: torch.Tensor, iters: int
 ) -> tuple[dict[str, Any], torch.Tensor]:
     device = x.device
     torch._dynamo.reset()
+    torchloom.reset()
     model = FSDPPatternStack(layers, dim, fill="copy", device=device)
     forward: Callable[[torch.Tensor], torch.Tensor] = (
         model
@@ -71,6 +88,7 @@ def _measure(
     assert model.storage_nbytes() == [0] * layers
     row = {
         "variant": name,
+        "fwd_param_alloc_MiB": _forward_param_allocations(options, layers, dim) / 2**20,
         "fwd_peak_MiB": None if fwd_peak is None else fwd_peak / 2**20,
         "step_peak_MiB": None if step_peak is None else step_peak / 2**20,
         "step_ms": timing.median_ms,
