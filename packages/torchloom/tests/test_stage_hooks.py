@@ -270,16 +270,39 @@ def test_a_refused_hook_raises_in_strict_mode() -> None:
         compiled(torch.randn(4, 16, requires_grad=True))
 
 
+class _Fp8Pack(torch.nn.Module):
+    def forward(self, t: torch.Tensor) -> Any:
+        return fp8_pack(t)
+
+
+class _Fp8Unpack(torch.nn.Module):
+    def forward(self, p: Any) -> torch.Tensor:
+        return fp8_unpack(p)
+
+
 def test_dynamic_shapes_one_compilation_serves_every_size() -> None:
     model = _mlp()
+    hooks = (torch.fx.symbolic_trace(_Fp8Pack()), torch.fx.symbolic_trace(_Fp8Unpack()))
     compiled = torch.compile(model, backend="loom", options=OPTS, dynamic=True)
     for batch in (3, 5, 7):
+        x = torch.randn(batch, 16)
+        _assert_same(_train_step(compiled, model, x, hooks), _train_step(model, model, x, hooks))
+    assert len(torchloom.report()) == 1 and len(_entries("placed")) == 1
+    graphs = dict(torchloom.report()[0].graphs)
+    assert "Sym(" in graphs["forward+hooks"] and "f8e4m3fn" in graphs["forward+hooks"]
+
+
+def test_python_hooks_under_dynamic_shapes_stay_eager_with_the_reason() -> None:
+    model = _mlp()
+    compiled = torch.compile(model, backend="loom", options=OPTS, dynamic=True)
+    for batch in (3, 5):
         x = torch.randn(batch, 16)
         _assert_same(
             _train_step(compiled, model, x, (fp8_pack, fp8_unpack)),
             _train_step(model, model, x, (fp8_pack, fp8_unpack)),
         )
-    assert len(torchloom.report()) == 1
+    (refused,) = _entries("refused")
+    assert "symbolic shape" in refused.message
 
 
 # -- register_hook on intermediates ---------------------------------------------------
