@@ -26,7 +26,9 @@ Configurations (``--config``, default: all):
   "Traceable FSDP2" configuration, the one whose graphs carry the
   ``resize_(full) -> fsdp.copy_ -> resize_(0)`` chains loom_resize removes.
 
-The process exits 0 when every configuration it ran passed.
+The process exits 0 when every configuration it ran passed. A configuration
+that crashes the process (not an exception) stops the run: its name is the
+last "running" line; run the others one by one with ``--config``.
 """
 
 from __future__ import annotations
@@ -254,6 +256,8 @@ def main() -> int:
     configs = CONFIGS if args.config == "all" else (args.config,)
     all_ok = True
     for name in configs:
+        # NOTE: a crash (not an exception) kills the ranks; this line names the culprit.
+        say(f"\n[{name}] running ...")
         torchloom.reset()
         try:
             got = _train(name, args, device)
