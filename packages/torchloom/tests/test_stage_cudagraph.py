@@ -204,3 +204,45 @@ def test_random_holding_patterns_never_corrupt_outputs_or_gradients(
         for out, x in kept:
             torch.testing.assert_close(out, ref(x).tanh())
     assert host_stage.replays > 10
+
+
+def test_cache_hit_reproduces_the_plan_and_its_skips(
+    host_stage: loom_cudagraph.HostCapturer,
+    sin_is_host_op: None,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    ref = torch.nn.Linear(4, 4)
+    ref.load_state_dict(lin.state_dict())
+
+    def compile_and_train() -> tuple[list[str], dict[Any, int], list[str]]:
+        torchloom.reset()
+        loom_cudagraph.reset_skip_counts()
+        f = torch.compile(
+            lambda x: lin(x).sin().sum(),
+            backend="loom",
+            options={"cudagraphs": True, "codegen": "eager"},
+        )
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            loss = f(x)
+            loss.backward()
+            want = ref(x).sin().sum()
+            want.backward()
+            torch.testing.assert_close(loss, want)
+            torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+        entries = torchloom.report().entries()
+        cache = [e.kind for e in entries if e.area == "cache"]
+        segments = [e.message for e in entries if e.area == "cudagraph" and e.kind == "segment"]
+        return cache, loom_cudagraph.skip_counts(), segments
+
+    cold = compile_and_train()
+    replays = host_stage.replays
+    warm = compile_and_train()
+    assert "stored" in cold[0] and "hit" in warm[0]
+    assert cold[1] == warm[1] == {loom_cudagraph.SkipReason.USER_MARKED: 1}
+    assert cold[2] == warm[2]
+    assert host_stage.replays > replays  # the cached graph runs captured segments

@@ -30,7 +30,7 @@ from loom_cudagraph._runtime import (
     new_pool,
 )
 from loom_cudagraph._segment import SegmentStats, is_managed
-from loom_cudagraph._skiplog import reset_skip_counts, skip_counts
+from loom_cudagraph._skiplog import report_plan_skips, reset_skip_counts, skip_counts
 from loom_cudagraph._split import SegmentModule, split_by_plan
 
 __version__ = "0.1.0"
@@ -65,6 +65,7 @@ __all__ = [
     "new_pool",
     "plan_graph",
     "registered_rules",
+    "report_plan_skips",
     "reset_skip_counts",
     "skip_counts",
     "source_location",

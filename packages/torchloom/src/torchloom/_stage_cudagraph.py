@@ -45,6 +45,21 @@ def _options(ctx: GraphContext) -> loom_cudagraph.CudagraphOptions:
     ).with_env()
 
 
+def _runtime_from_code(code: compat.SegmentedOutputCode) -> Callable[[list[Any]], Any]:
+    """Rebuild the runtime of a cached graph: same plan, same skips reported."""
+    from torchloom._stages import STAGES
+
+    plan = loom_cudagraph.PartitionPlan.from_json(code.plan_json)
+    stage = next((s for s in STAGES if isinstance(s, CudagraphStage)), None)
+    capturer = stage.capturer if stage is not None else None
+    pool = code.pool or loom_cudagraph.new_pool(plan.device, capturer)
+    runtime = loom_cudagraph.assemble_runtime(
+        plan, code.segments, output_constants=code.output_constants, pool=pool, capturer=capturer
+    )
+    _runtimes.append(runtime)
+    return runtime
+
+
 def _cudagraph_error(exc: BaseException) -> loom_cudagraph.CudagraphError | None:
     """The ``CudagraphError`` somewhere in ``exc``'s cause chain, if any."""
     seen: set[int] = set()
@@ -138,26 +153,45 @@ class CudagraphStage(PipelineStage):
         if pool is None:
             pool = loom_cudagraph.new_pool(plan.device, self.capturer)
             state["pool"] = pool
+        loom_cudagraph.report_plan_skips(plan)
+        eager = ctx.options.codegen == "eager"
         with compat.segment_codegen_strides(gm) as before_segment:
 
             def compile_segment(
                 seg: GraphModule, inputs: list[Any], seg_static: tuple[int, ...]
             ) -> Callable[[list[Any]], Sequence[Any]]:
                 before_segment(seg)
+                if eager:  # an OutputCode, so the compiled graph can be cached
+                    return compat.EagerOutputCode(seg)  # type: ignore[return-value]
                 return codegen(seg, inputs, seg_static)
 
-            runtime = loom_cudagraph.build_runtime(
-                plan,
-                gm,
-                compile_segment,
-                example_inputs,
-                pool=pool,
-                capturer=self.capturer,
-                listener=_listener(ctx),
-            )
+            fns = loom_cudagraph.compile_segments(plan, gm, compile_segment, example_inputs)
+        outs = gm.graph.output_node().args[0]
+        flat = outs if isinstance(outs, list | tuple) else (outs,)
+        constants = tuple(None if isinstance(o, torch.fx.Node) else o for o in flat)
+        runtime = loom_cudagraph.assemble_runtime(
+            plan,
+            fns,
+            output_constants=constants,
+            pool=pool,
+            capturer=self.capturer,
+            listener=_listener(ctx),
+            report_skips=False,
+        )
+        code = compat.SegmentedOutputCode(
+            plan.to_json(),
+            list(fns),
+            constants,
+            _runtime_from_code,
+            is_backward=kind is GraphKind.BACKWARD,
+            is_inference=kind is GraphKind.INFERENCE,
+            runtime=runtime,
+            pool=pool,
+        )
+        code.output_strides = compat.graph_output_strides(gm)
         _runtimes.append(runtime)
         state.setdefault("runtimes", []).append(runtime)
-        return runtime
+        return code
 
     def _record_plan(self, ctx: GraphContext, plan: loom_cudagraph.PartitionPlan) -> None:
         for seg in plan.segments:

@@ -345,6 +345,21 @@ def caches_force_disabled() -> bool:
 # --- loom cudagraph: segment codegen inside one AOT graph -----------------------------------
 
 
+def graph_output_strides(gm: GraphModule) -> list[Any]:
+    """The traced strides of ``gm``'s outputs (``None`` for non-tensors and unbacked strides)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    outs = gm.graph.output_node().args[0]
+    result: list[Any] = []
+    for out in outs if isinstance(outs, list | tuple) else (outs,):
+        val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and not free_unbacked_symbols(val.stride()):
+            result.append(tuple(val.stride()))
+        else:
+            result.append(None)
+    return result
+
+
 @contextlib.contextmanager
 def segment_codegen_strides(gm: GraphModule) -> Iterator[Callable[[GraphModule], None]]:
     """Let Inductor compile several segments of ``gm`` inside one AOT graph.
@@ -356,27 +371,14 @@ def segment_codegen_strides(gm: GraphModule) -> Iterator[Callable[[GraphModule],
     Inductor neither pads nor reorders what the next segment reads (it asserts
     its inputs' strides). On exit the list holds the strides of ``gm``'s outputs.
     """
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
     ctx = TracingContext.try_get()
     strides = ctx.output_strides if ctx is not None else None
-
-    def out_strides(g: GraphModule) -> list[Any]:
-        outs = g.graph.output_node().args[0]
-        result: list[Any] = []
-        for out in outs if isinstance(outs, list | tuple) else (outs,):
-            val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
-            if isinstance(val, torch.Tensor) and not free_unbacked_symbols(val.stride()):
-                result.append(tuple(val.stride()))
-            else:
-                result.append(None)
-        return result
 
     def before_segment(seg: GraphModule) -> None:
         if strides is not None:
             strides.clear()
         node = seg.graph.output_node()
-        seg_strides = out_strides(seg)
+        seg_strides = graph_output_strides(seg)
         node.meta["original_output_strides"] = seg_strides
         node.meta["user_visible_output_idxs"] = [
             i for i, st in enumerate(seg_strides) if st is not None
@@ -385,4 +387,89 @@ def segment_codegen_strides(gm: GraphModule) -> Iterator[Callable[[GraphModule],
     yield before_segment
     if strides is not None:
         strides.clear()
-        strides.extend(out_strides(gm))
+        strides.extend(graph_output_strides(gm))
+
+
+class SegmentedOutputCode(_OutputCode):
+    """A graph compiled as separately generated segments, run by a runtime that
+    ``factory(self)`` builds (loom's CUDA-graph runtime), as an Inductor
+    ``OutputCode`` so that AOTAutograd can bundle it into loom's cache.
+
+    Pickling keeps the plan (JSON), the segments' own ``OutputCode`` objects and
+    the graph's constant outputs; after loading, :meth:`post_compile` reloads
+    each Inductor segment as Inductor's cache would, and the runtime is rebuilt
+    on first use.
+    """
+
+    def __init__(
+        self,
+        plan_json: str,
+        segments: list[Any],
+        output_constants: tuple[Any, ...],
+        factory: Callable[[SegmentedOutputCode], Callable[[list[Any]], Any]],
+        *,
+        is_backward: bool,
+        is_inference: bool,
+        runtime: Callable[[list[Any]], Any] | None = None,
+        pool: Any = None,
+    ) -> None:
+        super().__init__()
+        self._boxed_call = True
+        self.plan_json = plan_json
+        self.segments = segments
+        self.output_constants = output_constants
+        self.factory = factory
+        self.is_backward = is_backward
+        self.is_inference = is_inference
+        self.runtime = runtime
+        self.pool = pool
+        self.output_strides: list[Any] = []
+
+    def __call__(self, inputs: Sequence[Any]) -> Any:
+        if self.runtime is None:
+            self.runtime = self.factory(self)
+        return self.runtime(inputs)  # type: ignore[arg-type]
+
+    def prepare_for_serialization(self) -> None:
+        from copy import copy
+
+        self.segments = [copy(s) for s in self.segments]
+        for s in self.segments:
+            if isinstance(s, _OutputCode):
+                s.prepare_for_serialization()
+
+    def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
+        if self.runtime is not None:
+            return  # a cold compile: the segments ran their own post-compile steps
+        from torch._inductor.codecache import FxGraphCache
+        from torch._inductor.output_code import CompiledFxGraph
+
+        ctx = TracingContext.try_get()
+        strides = ctx.output_strides if ctx is not None else None
+        kwargs = {
+            **dict(graph_kwargs or {}),
+            "cudagraphs": BoxedBool(False),
+            "is_backward": self.is_backward,
+            "is_inference": self.is_inference,
+        }
+        loaded = []
+        for seg in self.segments:
+            if isinstance(seg, CompiledFxGraph):
+                graph, _ = FxGraphCache.cache_hit_post_compile(seg, {}, constants)
+                if graph is None:
+                    raise RuntimeError("could not reload a cached CUDA-graph segment")
+                if strides is not None:
+                    strides.clear()
+                graph.post_compile(example_inputs, constants, kwargs)  # type: ignore[arg-type]
+                seg = graph
+            loaded.append(seg)
+        self.segments = loaded
+        if strides is not None:
+            strides.clear()
+            strides.extend(self.output_strides)
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "runtime": None, "pool": None}
