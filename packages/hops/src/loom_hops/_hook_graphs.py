@@ -18,9 +18,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
-from loom_hops._torch_compat import fake_mode_of, make_fx, python_dispatcher
+from loom_hops._torch_compat import fake_mode_of, make_fx, python_dispatcher, pytree
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
 
 __all__ = [

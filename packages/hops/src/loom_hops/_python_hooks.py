@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from loom_hops._hook_graphs import (
     TracedPack,
@@ -29,7 +28,7 @@ from loom_hops._hook_graphs import (
     trace_unpack_graph,
 )
 from loom_hops._saved_hooks import HookPair
-from loom_hops._torch_compat import fake_mode_of
+from loom_hops._torch_compat import fake_mode_of, pytree
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
 from loom_hops.tracer import HookUnsupported, TracedHook, trace_hook
 from loom_hops.tracer.replay import BinRef, ConstRef, NewRef, Ref, ReplayPlan, SourceRef

@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
 from loom_hops._torch_compat import (
     DispatchKey,
@@ -23,6 +22,7 @@ from loom_hops._torch_compat import (
     HigherOrderOperator,
     ProxyTorchDispatchMode,
     below_autograd,
+    pytree,
     reenter_make_fx,
     track_tensor_tree,
 )

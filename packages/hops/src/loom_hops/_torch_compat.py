@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch._C import DispatchKey
 from torch._guards import detect_fake_mode
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
@@ -46,6 +47,7 @@ __all__ = [
     "make_fx",
     "native_hook_inlining_disabled",
     "python_dispatcher",
+    "pytree",
     "reenter_make_fx",
     "saved_tensors_hooks_disabled",
     "saved_tensors_hooks_tracing_disabled",
