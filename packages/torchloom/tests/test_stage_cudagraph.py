@@ -246,3 +246,13 @@ def test_cache_hit_reproduces_the_plan_and_its_skips(
     assert cold[1] == warm[1] == {loom_cudagraph.SkipReason.USER_MARKED: 1}
     assert cold[2] == warm[2]
     assert host_stage.replays > replays  # the cached graph runs captured segments
+
+
+def test_graph_with_nothing_capturable_still_reports_its_skip(
+    host_stage: loom_cudagraph.HostCapturer, sin_is_host_op: None
+) -> None:
+    compiled = torch.compile(lambda x: x.sin(), backend="loom", options=CG)
+    x = torch.randn(3)
+    torch.testing.assert_close(compiled(x), x.sin())
+    assert loom_cudagraph.skip_counts() == {loom_cudagraph.SkipReason.USER_MARKED: 1}
+    assert host_stage.captures == 0

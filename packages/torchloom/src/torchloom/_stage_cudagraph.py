@@ -147,6 +147,9 @@ class CudagraphStage(PipelineStage):
             ctx.record.add_entry("cudagraph", "disabled", f"{graph}: no CUDA device available")
             return None
         if not plan.captured_segments:
+            # Nothing to capture: the graph compiles whole, but its skips are
+            # still logged, counted and raised under or_error.
+            loom_cudagraph.report_plan_skips(plan)
             return None
         state = ctx.state.setdefault(self.name, {})
         pool = state.get("pool")
