@@ -300,7 +300,8 @@ def test_or_error_names_the_op_reason_and_line() -> None:
     with pytest.raises(Exception, match=r"device_copy") as info:
         compiled(torch.randn(4, device=CUDA))
     message = str(info.value)
-    assert "aten._to_copy.default" in message
+    # Inductor's decompositions may turn the copy into prims.device_put
+    assert "aten._to_copy.default" in message or "prims.device_put" in message
     assert "test_cudagraph_e2e.py" in message
 
 
