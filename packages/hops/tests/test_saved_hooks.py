@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -108,10 +109,9 @@ def test_fingerprint_is_stable_across_processes() -> None:
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import hook_modules as hm, loom_hops;"
         "print(loom_hops.fingerprint_hooks(loom_hops.HookPair(*hm.fp8())))"
     )
-    outs = {
-        subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        for _ in range(2)
-    }
-    assert len(outs) == 1 and len(next(iter(outs))) == 64
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    ).stdout.strip()
+    here = loom_hops.fingerprint_hooks(HookPair(*hm.fp8()))
+    assert here is not None and len(here) == 64 and other == here
