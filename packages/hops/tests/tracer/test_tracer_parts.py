@@ -332,7 +332,7 @@ def test_operator_setitem_on_a_python_list_is_refused() -> None:
     assert result.kind is TraceRefusal.UNSUPPORTED_CALL
 
 
-def test_symbolic_shapes_are_refused_up_front() -> None:
+def _symbolic_fake(*sizes: int) -> torch.Tensor:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (
         DimDynamic,
@@ -341,16 +341,58 @@ def test_symbolic_shapes_are_refused_up_front() -> None:
     )
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
-    x = mode.from_tensor(torch.randn(8, 4), symbolic_context=context)
+    dynamic = [DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (len(sizes) - 1)
+    context = StatelessSymbolicContext(dynamic_sizes=dynamic)
+    return mode.from_tensor(torch.randn(*sizes), symbolic_context=context)
 
+
+def test_symbolic_sizes_flow_into_tensor_ops_and_the_graph_serves_other_sizes() -> None:
     def pack(t):
-        return t.to(torch.bfloat16)
+        n = t.shape[0] * t.size(1)
+        return (t.dtype, t.reshape(n).to(torch.bfloat16), t[: len(t) // 2])
 
-    result = trace_hook(pack, (x,))
+    tr = traced(pack, _symbolic_fake(8, 4))
+    assert any(g.kind is GuardKind.TENSOR_MATCH and "?" in g.describe() for g in tr.guards)
+    for rows in (8, 5):
+        x = torch.randn(rows, 4)
+        assert tr.check_guards(x)
+        dtype, data, half = tr.run(x)
+        assert dtype is torch.float32 and torch.equal(data, x.reshape(-1).to(torch.bfloat16))
+        assert torch.equal(half, x[: rows // 2])
+    assert not tr.check_guards(torch.randn(8, 3))  # the static dimension is guarded
+
+
+def test_branch_on_a_symbolic_size_is_refused() -> None:
+    def pack(t):
+        if t.numel() > 16:
+            return t.to(torch.bfloat16)
+        return t
+
+    result = trace_hook(pack, (_symbolic_fake(8, 4),))
     assert isinstance(result, HookUnsupported)
     assert result.kind is TraceRefusal.UNSUPPORTED_VALUE
-    assert "symbolic shape" in result.explanation
+    assert "symbolic size" in result.explanation
+
+
+def test_isinstance_of_a_symbolic_size_is_refused_not_answered_wrongly() -> None:
+    def pack(t):
+        return t * 2 if isinstance(t.shape[0], int) else t
+
+    result = trace_hook(pack, (_symbolic_fake(8, 4),))
+    assert isinstance(result, HookUnsupported)
+    assert result.kind is TraceRefusal.UNSUPPORTED_VALUE
+
+
+def test_storing_a_symbolic_size_in_python_state_is_refused() -> None:
+    shapes: list[Any] = []
+
+    def pack(t):
+        shapes.append(t.shape[0])
+        return t
+
+    result = trace_hook(pack, (_symbolic_fake(8, 4),))
+    assert isinstance(result, HookUnsupported)
+    assert result.kind is TraceRefusal.UNSUPPORTED_SIDE_EFFECT
 
 
 class _SizedList(list):  # type: ignore[type-arg]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -25,6 +26,14 @@ def to_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, FakeTensor) and t.fake_mode is mode:
         return t
     return mode.from_tensor(t)
+
+
+def python_dispatcher() -> contextlib.AbstractContextManager[Any]:
+    """The Python dispatcher, which symbolic-shape tracing of views needs (AOT enables it too)."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    cm: contextlib.AbstractContextManager[Any] = enable_python_dispatcher()
+    return cm
 
 
 def is_fx_wrapped(fn: Any) -> bool:

@@ -114,7 +114,7 @@ def _lower(ctx: TraceContext, torch_gm: torch.fx.GraphModule) -> torch.fx.GraphM
     with ctx.fake_mode:
         fakes = [fake.detach() for _, _, fake in ctx.inputs]
     functional = torch.func.functionalize(torch_gm, remove="mutations_and_views")
-    with ctx.fake_mode:
+    with ctx.fake_mode, _torch_compat.python_dispatcher():
         gm = make_fx(functional, tracing_mode="real")(*fakes)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.aten.copy_.default:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .context import TraceContext, is_const, slot
+from .context import TraceContext, is_const, is_symbolic, slot
 from .guards import GuardKind
 from .refusal import TraceRefusal, refuse
 from .replay import EffectOp
@@ -135,6 +135,8 @@ def get_attr(ctx: TraceContext, v: Value, name: str, depth: int) -> Value:
 def _tensor_attr(ctx: TraceContext, v: TensorV, name: str) -> Value:
     if name in TENSOR_METADATA_ATTRS:
         value = getattr(v.fake, name)
+        if is_symbolic(value) or (name == "nbytes" and is_symbolic(tuple(v.fake.shape))):
+            return ctx.call_torch(getattr, [v, ConstV(name)], {})
         return ConstV(value)
     if name in TENSOR_VALUED_ATTRS:
         return ctx.call_torch(getattr, [v, ConstV(name)], {})

@@ -15,7 +15,7 @@ import torch
 from . import _torch_compat
 from .attributes import get_attr
 from .containers import call_dict_method, call_list_method, call_set_method, iterate
-from .context import TraceContext, is_const
+from .context import TraceContext, is_const, is_symbolic, operand
 from .frame import inline_call
 from .operators import binary_op, python_op, python_value, truthy
 from .refusal import Refused, TraceRefusal, refuse
@@ -30,6 +30,7 @@ from .values import (
     ListV,
     MethodV,
     SetV,
+    SymV,
     TensorV,
     TupleV,
     Value,
@@ -134,7 +135,7 @@ def call_method(
             )
         )
     if isinstance(self_v, (ConstV, LazyNum)):
-        value = ctx.specialize(self_v)
+        value = operand(ctx, self_v)
         if isinstance(value, type) and isinstance(func, types.FunctionType):
             return call_value(ctx, ctx.function_value(func, None), [self_v, *args], kwargs, depth)
         if not is_const(value) and not isinstance(value, (torch.finfo, torch.iinfo)):
@@ -146,7 +147,7 @@ def call_method(
             *[python_value(ctx, a) for a in args],
             **{k: python_value(ctx, v) for k, v in kwargs.items()},
         )
-        if not is_const(result):
+        if not (is_const(result) or is_symbolic(result)):
             raise refuse(
                 TraceRefusal.UNSUPPORTED_CALL,
                 f"{type(value).__qualname__}.{name} returned a {type(result).__qualname__}",
@@ -255,7 +256,9 @@ def _len(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: 
     (x,) = args
     ctx.require_base_protocol(x, "__len__")
     if isinstance(x, TensorV):
-        return ConstV(python_op(len, x.fake))
+        if x.fake.dim() == 0:
+            raise refuse(TraceRefusal.HOOK_RAISES, "TypeError: len() of a 0-d tensor")
+        return ctx.call_torch(None, [x, ConstV(0)], {}, method="size")  # len() would specialize
     if isinstance(x, DictV):
         return ConstV(len(ctx.dict_items(x)))
     if isinstance(x, SetV):
@@ -433,6 +436,8 @@ def _make_scalar(fn: Callable[..., Any]) -> Builtin:
         if fn is bool and len(args) == 1:
             return ConstV(truthy(ctx, args[0]))
         if fn is callable:
+            if isinstance(args[0], SymV):
+                return ConstV(False)
             return ConstV(
                 not isinstance(args[0], (ConstV, LazyNum)) or callable(ctx.specialize(args[0]))
             )

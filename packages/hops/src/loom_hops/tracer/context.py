@@ -46,6 +46,8 @@ from .values import (
     ListV,
     ObjectV,
     SetV,
+    SliceV,
+    SymV,
     TensorV,
     TupleV,
     Value,
@@ -78,6 +80,25 @@ def is_const(obj: object) -> bool:
     if isinstance(obj, (tuple, frozenset)) and type(obj) in (tuple, frozenset):
         return all(is_const(x) for x in obj)
     return type(obj) in _CONST_TYPES or isinstance(obj, BaseException)
+
+
+_SYMBOLIC_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def is_symbolic(value: object) -> bool:
+    """Whether a value is, or holds, a size of a tensor with dynamic shapes."""
+    if isinstance(value, _SYMBOLIC_TYPES):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(is_symbolic(x) for x in value)
+    return False
+
+
+def operand(ctx: TraceContext, v: Value) -> Any:
+    """The Python value an operator works on: symbolic sizes stay symbolic."""
+    if isinstance(v, ConstV):
+        return v.value
+    return ctx.specialize(v)
 
 
 def slot(cls: type, name: str) -> Any:
@@ -127,11 +148,23 @@ class TraceContext:
     def specialize(self, v: Value) -> Any:
         """The concrete Python value of a constant-like value, guarding what it came from."""
         if isinstance(v, ConstV):
+            if is_symbolic(v.value):
+                raise refuse(
+                    TraceRefusal.UNSUPPORTED_VALUE,
+                    f"a symbolic size ({v.value}) is used as a Python value (branch, format, key or state)",
+                    "use it only in tensor operations, or trace with static shapes",
+                )
             return v.value
         if isinstance(v, LazyNum):
             for source, value in v.leaves:
                 self.guard(source, GuardKind.EQUALS, value)
             return v.value
+        if isinstance(v, SymV):
+            raise refuse(
+                TraceRefusal.UNSUPPORTED_VALUE,
+                f"a symbolic size ({v.value}) is used as a Python value (branch, format, key or state)",
+                "use it only in tensor operations, or trace with static shapes",
+            )
         if isinstance(v, TensorV):
             raise refuse(
                 TraceRefusal.TENSOR_VALUE_CONTROL_FLOW,
@@ -147,6 +180,8 @@ class TraceContext:
 
     def type_of(self, v: Value) -> type:
         """``type(v)``, guarding the type of a lazily read number."""
+        if isinstance(v, SymV):
+            self.specialize(v)  # a SymInt is an int to the hook: refuse rather than lie
         if isinstance(v, LazyNum):
             for source, value in v.leaves:
                 self.guard(source, GuardKind.TYPE_MATCH, type(value))
@@ -254,13 +289,6 @@ class TraceContext:
             raise refuse(
                 TraceRefusal.UNSUPPORTED_VALUE, "a tensor with no source (a default value?)"
             )
-        if not all(isinstance(s, int) for s in (*t.shape, *t.stride())):
-            raise refuse(
-                TraceRefusal.UNSUPPORTED_VALUE,
-                f"tensor {source.describe()} has a symbolic shape {tuple(t.shape)}; "
-                "the tracer guards exact shapes",
-                "trace with static shapes: real tensors or fakes of a FakeTensorMode without a ShapeEnv",
-            )
         self.guard(source, GuardKind.TENSOR_MATCH, TensorMeta.of(t))
         fake = _torch_compat.to_fake(self.fake_mode, t)
         first = next((n for n in self.graph.nodes if n.op != "placeholder"), None)
@@ -320,7 +348,7 @@ class TraceContext:
             return
         cls = v.py_type
         base = next((b for b in (list, dict, set, tuple) if issubclass(cls, b)), None)
-        if base is None or cls is base:
+        if base is None or cls is base or cls is torch.Size:
             return
         for name in dunders:
             if slot(cls, name) is not slot(base, name):
@@ -434,15 +462,18 @@ class TraceContext:
     # ------------------------------------------------------------------ tensors
     def lower_arg(self, v: Value) -> tuple[Any, Any]:
         """(fake value, graph argument) of a value passed to a torch function."""
-        if isinstance(v, TensorV):
-            return v.fake, v.node
+        if isinstance(v, (TensorV, SymV)):
+            return (v.fake if isinstance(v, TensorV) else v.value), v.node
         if isinstance(v, (ConstV, LazyNum)):
-            value = self.specialize(v)
+            value = operand(self, v)
             if isinstance(value, (types.ModuleType, types.FunctionType)):
                 raise refuse(
                     TraceRefusal.UNSUPPORTED_VALUE, f"{value!r} passed to a torch function"
                 )
             return value, value
+        if isinstance(v, SliceV):
+            lowered = [self.lower_arg(x) for x in v.parts]
+            return slice(*[p[0] for p in lowered]), slice(*[p[1] for p in lowered])
         if isinstance(v, (TupleV, ListV)):
             items = v.items if isinstance(v, TupleV) else self.list_items(v)
             pairs = [self.lower_arg(x) for x in items]
@@ -501,10 +532,14 @@ class TraceContext:
         if isinstance(out, torch.Tensor):
             node.meta["val"] = out
             return TensorV(node, out)
-        if isinstance(out, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in out):
+        if isinstance(out, _SYMBOLIC_TYPES):
+            return SymV(node, out)
+        if isinstance(out, (tuple, list)) and any(
+            isinstance(x, (torch.Tensor, *_SYMBOLIC_TYPES)) for x in out
+        ):
             items: list[Value] = []
             for i, x in enumerate(out):
-                if isinstance(x, torch.Tensor):
+                if isinstance(x, (torch.Tensor, *_SYMBOLIC_TYPES)):
                     item = self.graph.call_function(operator.getitem, (node, i))
                     items.append(self.wrap_result(x, item))
                 elif is_const(x):
@@ -609,7 +644,19 @@ class _PlanBuilder:
     def ref(self, v: Value) -> Ref:
         if isinstance(v, LazyNum):
             return self._lazy(v.ref)
+        if isinstance(v, SymV) or (isinstance(v, ConstV) and is_symbolic(v.value)):
+            raise refuse(
+                TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+                "a symbolic size would be stored or returned as a Python value",
+                "return or store tensors, or trace with static shapes",
+            )
         if isinstance(v, ConstV):
+            if is_symbolic(v.value):
+                raise refuse(
+                    TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+                    f"a symbolic size ({v.value}) would be stored or returned as a Python value",
+                    "return or store tensors, or trace with static shapes",
+                )
             return ConstRef(v.value)
         if v.source is not None and not isinstance(v, CellV):
             return self.read(v.source)

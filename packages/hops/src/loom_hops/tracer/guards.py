@@ -37,18 +37,32 @@ class GuardKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
+    """What a trace specialized on for one tensor input; ``None`` marks a symbolic size."""
+
     dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
+    shape: tuple[int | None, ...]
+    stride: tuple[int | None, ...]
     device: torch.device
     requires_grad: bool
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
-        return TensorMeta(t.dtype, tuple(t.shape), tuple(t.stride()), t.device, t.requires_grad)
+        def static(values: tuple[Any, ...]) -> tuple[int | None, ...]:
+            return tuple(v if isinstance(v, int) else None for v in values)
+
+        return TensorMeta(
+            t.dtype, static(tuple(t.shape)), static(tuple(t.stride())), t.device, t.requires_grad
+        )
+
+    @property
+    def is_static(self) -> bool:
+        return None not in self.shape and None not in self.stride
 
     def describe(self) -> str:
-        return f"{self.dtype} {list(self.shape)} stride={list(self.stride)} {self.device} rg={self.requires_grad}"
+        def text(values: tuple[int | None, ...]) -> str:
+            return "[" + ", ".join("?" if v is None else str(v) for v in values) + "]"
+
+        return f"{self.dtype} {text(self.shape)} stride={text(self.stride)} {self.device} rg={self.requires_grad}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,11 +142,20 @@ def _conditions(guard: Guard, bind: Callable[[object], str]) -> list[str]:
     x = guard.source.expr(bind)
     if kind is GuardKind.TENSOR_MATCH:
         assert isinstance(expected, TensorMeta)
+        checks = [f"isinstance({x}, _Tensor)", f"{x}.dtype is {bind(expected.dtype)}"]
+        if expected.is_static:
+            checks += [f"{x}.shape == {expected.shape!r}", f"{x}.stride() == {expected.stride!r}"]
+        else:
+            # Symbolic sizes are left to the shape environment that made them.
+            checks.append(f"{x}.dim() == {len(expected.shape)}")
+            checks += [
+                f"{x}.size({i}) == {v}" for i, v in enumerate(expected.shape) if v is not None
+            ]
+            checks += [
+                f"{x}.stride({i}) == {v}" for i, v in enumerate(expected.stride) if v is not None
+            ]
         return [
-            f"isinstance({x}, _Tensor)",
-            f"{x}.dtype is {bind(expected.dtype)}",
-            f"{x}.shape == {expected.shape!r}",
-            f"{x}.stride() == {expected.stride!r}",
+            *checks,
             f"{x}.device == {bind(expected.device)}",
             f"{x}.requires_grad is {expected.requires_grad!r}",
         ]

@@ -14,7 +14,9 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from .context import TraceContext, slot
+import torch
+
+from .context import TraceContext, operand, slot
 from .refusal import TraceRefusal, refuse
 from .replay import BINARY_OPS, BinRef, ConstRef, EffectOp, Ref
 from .values import (
@@ -25,6 +27,7 @@ from .values import (
     ListV,
     ObjectV,
     SetV,
+    SymV,
     TensorV,
     TupleV,
     Value,
@@ -80,6 +83,8 @@ def binary_op(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
     if isinstance(a, TensorV) or isinstance(b, TensorV):
         fn = INPLACE_OPS[base] if inplace and isinstance(a, TensorV) else PLAIN_OPS[base]
         return ctx.call_torch(fn, [a, b], {})
+    if isinstance(a, SymV) or isinstance(b, SymV):
+        return ctx.call_torch(PLAIN_OPS[base], [a, b], {})
     if isinstance(a, ListV) and base == "+" and inplace:
         from .containers import list_extend
 
@@ -100,7 +105,7 @@ def binary_op(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
         ra, la = _ref_of(a)
         rb, lb = _ref_of(b)
         return LazyNum(value, BinRef(base, ra, rb), la + lb)
-    x, y = ctx.specialize(a), ctx.specialize(b)
+    x, y = operand(ctx, a), operand(ctx, b)
     return ConstV(python_op(PLAIN_OPS[base], x, y))
 
 
@@ -129,9 +134,13 @@ def _sequence_op(ctx: TraceContext, base: str, a: ListV | TupleV, b: Value) -> V
 def compare(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
     for v in (a, b):
         ctx.require_base_protocol(v, "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__")
-    if isinstance(a, TensorV) or isinstance(b, TensorV):
+    if isinstance(a, (TensorV, SymV)) or isinstance(b, (TensorV, SymV)):
         return ctx.call_torch(COMPARE_OPS[symbol], [a, b], {})
-    return ConstV(python_op(COMPARE_OPS[symbol], python_value(ctx, a), python_value(ctx, b)))
+    x, y = (
+        operand(ctx, v) if isinstance(v, (ConstV, LazyNum)) else python_value(ctx, v)
+        for v in (a, b)
+    )
+    return ConstV(python_op(COMPARE_OPS[symbol], x, y))
 
 
 def python_value(ctx: TraceContext, v: Value) -> Any:
@@ -182,7 +191,7 @@ def truthy(ctx: TraceContext, v: Value) -> bool:
             "a branch depends on a tensor's values",
             "branch on tensor metadata (dtype, shape, device) instead, or use torch.where",
         )
-    if isinstance(v, (ConstV, LazyNum)):
+    if isinstance(v, (ConstV, LazyNum, SymV)):
         return bool(python_op(bool, ctx.specialize(v)))
     ctx.require_base_protocol(v, "__bool__", "__len__")
     if isinstance(v, (ListV, TupleV)):
@@ -213,16 +222,16 @@ def get_item(ctx: TraceContext, container: Value, index: Value) -> Value:
         seq = ctx.sequence_items(container)
         picked = python_op(operator.getitem, seq, idx)
         if isinstance(idx, slice):
-            return (
-                TupleV(tuple(picked))
-                if isinstance(container, TupleV)
-                else ListV(None, None, items=picked)
-            )
+            if isinstance(container, TupleV):
+                return TupleV(
+                    tuple(picked), cls=torch.Size if container.cls is torch.Size else tuple
+                )
+            return ListV(None, None, items=picked)
         assert isinstance(picked, Value)
         return picked
     if isinstance(container, (ConstV, LazyNum)):
         return ConstV(
-            python_op(operator.getitem, ctx.specialize(container), python_value(ctx, index))
+            python_op(operator.getitem, operand(ctx, container), python_value(ctx, index))
         )
     raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"subscript of a {container.py_type.__qualname__}")
 
@@ -273,6 +282,6 @@ def del_item(ctx: TraceContext, container: Value, index: Value) -> None:
 
 
 def unary(ctx: TraceContext, fn: Callable[[Any], Any], v: Value) -> Value:
-    if isinstance(v, TensorV):
+    if isinstance(v, (TensorV, SymV)):
         return ctx.call_torch(fn, [v], {})
-    return ConstV(python_op(fn, ctx.specialize(v)))
+    return ConstV(python_op(fn, operand(ctx, v)))

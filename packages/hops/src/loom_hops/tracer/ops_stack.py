@@ -10,12 +10,19 @@ from .._pyversion import PY311, PY312
 from .frame import Frame, handles
 from .operators import del_item, get_item, python_op, python_value, set_item
 from .refusal import TraceRefusal, refuse
-from .values import NULL, ConstV, DictV, ListV, SetV, TupleV, Value
+from .values import NULL, ConstV, DictV, ListV, SetV, SliceV, SymV, TupleV, Value
 
 _CONVERSIONS: dict[int, Callable[[Any], str]] = {1: str, 2: repr, 3: ascii}
 # CPython's CALL_INTRINSIC_1 operands (Include/internal/pycore_intrinsics.h, 3.12).
 _INTRINSIC_UNARY_POSITIVE = 5
 _INTRINSIC_LIST_TO_TUPLE = 6
+
+
+def make_slice(frame: Frame, parts: list[Value]) -> Value:
+    """A constant slice, or a ``SliceV`` when a bound is a symbolic size."""
+    if any(isinstance(p, SymV) for p in parts):
+        return SliceV(tuple(parts))
+    return ConstV(slice(*[frame.ctx.specialize(p) for p in parts]))
 
 
 def _tuple_of(items: list[Value]) -> Value:
@@ -92,8 +99,7 @@ def _build_string(frame: Frame, inst: dis.Instruction) -> None:
 @handles("BUILD_SLICE")
 def _build_slice(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
-    parts = [frame.ctx.specialize(x) for x in frame.popn(inst.arg)]
-    frame.push(ConstV(slice(*parts)))
+    frame.push(make_slice(frame, frame.popn(inst.arg)))
 
 
 @handles("FORMAT_VALUE")
@@ -235,16 +241,16 @@ def _delete_subscr(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("BINARY_SLICE", when=PY312)
 def _binary_slice(frame: Frame, inst: dis.Instruction) -> None:
-    stop = frame.ctx.specialize(frame.pop())
-    start = frame.ctx.specialize(frame.pop())
+    stop = frame.pop()
+    start = frame.pop()
     container = frame.pop()
-    frame.push(get_item(frame.ctx, container, ConstV(slice(start, stop))))
+    frame.push(get_item(frame.ctx, container, make_slice(frame, [start, stop])))
 
 
 @handles("STORE_SLICE", when=PY312)
 def _store_slice(frame: Frame, inst: dis.Instruction) -> None:
-    stop = frame.ctx.specialize(frame.pop())
-    start = frame.ctx.specialize(frame.pop())
+    stop = frame.pop()
+    start = frame.pop()
     container = frame.pop()
     value = frame.pop()
-    set_item(frame.ctx, container, ConstV(slice(start, stop)), value)
+    set_item(frame.ctx, container, make_slice(frame, [start, stop]), value)

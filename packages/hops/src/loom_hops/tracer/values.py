@@ -82,6 +82,29 @@ class TensorV(Value):
 
 
 @dataclass(eq=False)
+class SymV(Value):
+    """A size of a tensor with dynamic shapes (SymInt/SymFloat/SymBool) and its graph node."""
+
+    node: torch.fx.Node
+    value: Any
+
+    @property
+    def py_type(self) -> type:
+        return type(self.value)
+
+
+@dataclass(eq=False)
+class SliceV(Value):
+    """A slice with a symbolic bound (only tensors can be indexed with it)."""
+
+    parts: tuple[Value, ...]
+
+    @property
+    def py_type(self) -> type:
+        return slice
+
+
+@dataclass(eq=False)
 class ObjectV(Value):
     """A pre-existing instance of a user class; attribute writes are buffered in ``attrs``."""
 
