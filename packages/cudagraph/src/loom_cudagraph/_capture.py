@@ -43,9 +43,12 @@ class Capturer(Protocol):
 class CudaCapturer:
     """Capture with ``torch.cuda.graph`` on one device, on a side stream."""
 
+    # NOTE: one capture stream per device for every capturer, so graphs that
+    # share a pool allocate on one stream and can reuse each other's freed blocks.
+    _streams: dict[int, torch.cuda.Stream] = {}
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._stream: torch.cuda.Stream | None = None
 
     def new_pool_handle(self) -> Any:
         with torch.cuda.device(self.device):
@@ -53,11 +56,13 @@ class CudaCapturer:
 
     def capture(self, fn: SegmentFn, inputs: list[Any], pool: Any) -> tuple[Any, list[Any]]:
         with torch.cuda.device(self.device):
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            index = torch.cuda.current_device()
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(
-                graph, pool=pool, stream=self._stream, capture_error_mode="thread_local"
+                graph, pool=pool, stream=stream, capture_error_mode="thread_local"
             ):
                 outputs = list(fn(list(inputs)))
         return graph, outputs
