@@ -71,6 +71,10 @@ class CudaCapturer:
         graph.replay()
 
     def reserved(self) -> int:
+        # NOTE: torch.cuda.graph empties the cache before capturing; do it here
+        # too, so the difference around a capture is the pool's growth.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         return int(torch.cuda.memory_reserved(self.device))
 
     def pool_bytes(self, before: int) -> int:
