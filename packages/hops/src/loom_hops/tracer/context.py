@@ -23,18 +23,10 @@ from . import _torch_compat
 from .guards import Guard, GuardKind, TensorMeta
 from .refusal import Refused, TraceRefusal, refuse
 from .replay import (
-    BINARY_OPS,
-    BinRef,
-    ConstRef,
     Effect,
     EffectOp,
-    NewKind,
-    NewObject,
-    NewRef,
-    Ref,
     ReplayPlan,
     SourceRef,
-    TensorSlot,
 )
 from .sources import AttrSource, CellSource, GlobalSource, ItemSource, Source
 from .values import (
@@ -579,7 +571,9 @@ class TraceContext:
     def finish(self, result: Value) -> tuple[torch.fx.GraphModule, ReplayPlan, int]:
         """Graph outputs + replay plan for the hook's return value and buffered effects."""
         self.guard_no_aliasing()
-        builder = _PlanBuilder(self)
+        from .plan_builder import PlanBuilder
+
+        builder = PlanBuilder(self)
         output = builder.ref(result)
         num_user = len(builder.slots)
         effects: list[Effect] = []
@@ -623,99 +617,3 @@ def _field_names(out: tuple[Any, ...]) -> tuple[str, ...]:
                 if item is value:
                     names.setdefault(i, name)
     return tuple(names.get(i, "") for i in range(len(out)))
-
-
-class _PlanBuilder:
-    """Converts values into replay references, allocating graph slots and new objects."""
-
-    def __init__(self, ctx: TraceContext) -> None:
-        self.ctx = ctx
-        self.slots: list[torch.fx.Node] = []
-        self.slot_of: dict[torch.fx.Node, int] = {}
-        self.reads: dict[str, Source] = {}
-        self.new_objects: list[NewObject] = []
-        self.new_of: dict[int, int] = {}
-        self.building: set[int] = set()
-
-    def read(self, source: Source) -> SourceRef:
-        self.reads.setdefault(source.describe(), source)
-        return SourceRef(source)
-
-    def ref(self, v: Value) -> Ref:
-        if isinstance(v, LazyNum):
-            return self._lazy(v.ref)
-        if isinstance(v, SymV) or (isinstance(v, ConstV) and is_symbolic(v.value)):
-            raise refuse(
-                TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
-                "a symbolic size would be stored or returned as a Python value",
-                "return or store tensors, or trace with static shapes",
-            )
-        if isinstance(v, ConstV):
-            if is_symbolic(v.value):
-                raise refuse(
-                    TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
-                    f"a symbolic size ({v.value}) would be stored or returned as a Python value",
-                    "return or store tensors, or trace with static shapes",
-                )
-            return ConstRef(v.value)
-        if v.source is not None and not isinstance(v, CellV):
-            return self.read(v.source)
-        if isinstance(v, TensorV):
-            if v.node not in self.slot_of:
-                self.slot_of[v.node] = len(self.slots)
-                self.slots.append(v.node)
-            return TensorSlot(self.slot_of[v.node])
-        if isinstance(v, (ListV, TupleV, DictV, SetV)):
-            return self._new(v)
-        if isinstance(v, FunctionV):
-            raise refuse(
-                TraceRefusal.ESCAPING_FUNCTION,
-                f"function {v.name!r} created inside the hook escapes it (returned or stored)",
-                "define the function at module level or outside the hook",
-            )
-        raise refuse(
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
-            f"a {v.py_type.__name__} created inside the hook escapes it",
-        )
-
-    def _lazy(self, ref: Ref) -> Ref:
-        if isinstance(ref, SourceRef):
-            return self.read(ref.source)
-        if isinstance(ref, BinRef):
-            assert ref.op in BINARY_OPS
-            return BinRef(ref.op, self._lazy(ref.lhs), self._lazy(ref.rhs))
-        return ref
-
-    def _new(self, v: ListV | TupleV | DictV | SetV) -> Ref:
-        key = id(v)
-        if key in self.new_of:
-            return NewRef(self.new_of[key])
-        if key in self.building:
-            raise refuse(
-                TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
-                "a container created by the hook contains itself",
-            )
-        self.building.add(key)
-        if isinstance(v, TupleV):
-            kind, items = NewKind.TUPLE, tuple(self.ref(x) for x in v.items)
-        elif isinstance(v, ListV):
-            kind, items = NewKind.LIST, tuple(self.ref(x) for x in self.ctx.list_items(v))
-        elif isinstance(v, SetV):
-            kind, items = (
-                NewKind.SET,
-                tuple(ConstRef(x) for x in sorted(self.ctx.set_items(v), key=repr)),
-            )
-        else:
-            flat: list[Ref] = []
-            for k, x in self.ctx.dict_items(v).items():
-                flat += [ConstRef(k), self.ref(x)]
-            kind, items = NewKind.DICT, tuple(flat)
-        if v.py_type not in (list, tuple, dict, set):
-            raise refuse(
-                TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
-                f"a {v.py_type.__qualname__} created inside the hook escapes it",
-            )
-        self.building.discard(key)
-        self.new_of[key] = len(self.new_objects)
-        self.new_objects.append(NewObject(kind, items))
-        return NewRef(self.new_of[key])
