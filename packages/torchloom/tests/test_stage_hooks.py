@@ -292,17 +292,29 @@ def test_dynamic_shapes_one_compilation_serves_every_size() -> None:
     assert "Sym(" in graphs["forward+hooks"] and "f8e4m3fn" in graphs["forward+hooks"]
 
 
-def test_python_hooks_under_dynamic_shapes_stay_eager_with_the_reason() -> None:
+def test_python_hooks_under_dynamic_shapes_are_placed_once_for_every_size() -> None:
     model = _mlp()
     compiled = torch.compile(model, backend="loom", options=OPTS, dynamic=True)
-    for batch in (3, 5):
+    for batch in (3, 5, 7):
         x = torch.randn(batch, 16)
         _assert_same(
             _train_step(compiled, model, x, (fp8_pack, fp8_unpack)),
             _train_step(model, model, x, (fp8_pack, fp8_unpack)),
         )
+    assert len(torchloom.report()) == 1 and len(_entries("placed")) == 1
+
+
+def test_a_symbolic_size_in_a_side_effect_stays_eager_with_the_reason() -> None:
+    rec = Recorder()  # appends t.shape: symbolic under dynamic shapes
+    hooks = rec.hooks()
+    model = _mlp()
+    compiled = torch.compile(model, backend="loom", options=OPTS, dynamic=True)
+    for batch in (3, 5):
+        x = torch.randn(batch, 16)
+        _assert_same(_train_step(compiled, model, x, hooks), _train_step(model, model, x, hooks))
     (refused,) = _entries("refused")
-    assert "symbolic shape" in refused.message
+    assert "symbolic size" in refused.message
+    assert (5, 16) in rec.shapes  # the hook ran eagerly, with real sizes
 
 
 # -- register_hook on intermediates ---------------------------------------------------
