@@ -63,6 +63,8 @@ def test_python_hooks_are_placed_and_match_eager() -> None:
         tuple(int(d) for d in p.shape) for p in placement.packed
     )
     assert sorted(set(compiled.shapes)) == sorted(set(eager.shapes))
+    # here the partitioner saves what eager saves: the replay order is eager's too
+    assert compiled.shapes == eager.shapes
 
 
 def test_side_effects_replay_on_every_call_not_at_compile_time() -> None:

@@ -24,7 +24,7 @@ import torch.fx
 
 from loom_hops._hook_graphs import HookGraphs, TracedPack, TracedUnpack
 from loom_hops._hook_hops import pack_hook_op, unpack_hook_op
-from loom_hops._torch_compat import is_sym_node
+from loom_hops._torch_compat import is_sym_node, is_view_op
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
 
 __all__ = [
@@ -71,7 +71,7 @@ class Placement:
     packed: tuple[PackedTensor, ...]
     kept: tuple[tuple[str, str], ...]  # (saved tensor, reason)
     #: Side effects of traced Python pack hooks, one per packed tensor that has any,
-    #: in the forward order of the tensors' first uses (when eager would pack them).
+    #: in eager's order: the op that first consumes each tensor, then argument order.
     pack_effects: tuple[Callable[[], None], ...] = ()
     #: Side effects of traced unpack hooks, in the backward order of the unpacks.
     unpack_effects: tuple[Callable[[], None], ...] = ()
@@ -310,10 +310,21 @@ def place_saved_tensor_hooks(
 
     fw_order = {n: i for i, n in enumerate(forward.graph.nodes)}
 
-    def first_forward_use(item: tuple[torch.fx.Node, TracedPack, TracedUnpack]) -> int:
-        node = item[0]
-        users = [u for u in node.users if u.op != "output"]
-        return min((fw_order[u] for u in users), default=fw_order[node])
+    def first_forward_use(item: tuple[torch.fx.Node, TracedPack, TracedUnpack]) -> tuple[int, int]:
+        # NOTE: eager saves a tensor at the op that consumes it, in argument order; a
+        # view of it (the weight's transpose) is not that op: look through views.
+        positions: list[tuple[int, int]] = []
+        todo = [item[0]]
+        while todo:
+            node = todo.pop()
+            for user in node.users:
+                if user.op == "output":
+                    continue
+                if is_view_op(user.target):
+                    todo.append(user)
+                else:
+                    positions.append((fw_order[user], user.all_input_nodes.index(node)))
+        return min(positions, default=(fw_order[item[0]], 0))
 
     pack_effects = tuple(
         t.effects for _, t, _ in sorted(plans, key=first_forward_use) if t.effects is not None

@@ -44,6 +44,7 @@ __all__ = [
     "is_sym_node",
     "is_symbolic",
     "is_torch_op",
+    "is_view_op",
     "make_fx",
     "native_hook_inlining_disabled",
     "python_dispatcher",
@@ -192,3 +193,11 @@ def autograd_function_apply_op() -> Any:
     """The HOP Dynamo 2.11 emits for ``register_hook`` on an intermediate (and for
     ``autograd.Function``s it traces); ``None`` when this torch has none."""
     return getattr(torch.ops.higher_order, "autograd_function_apply", None)
+
+
+def is_view_op(target: Any) -> bool:
+    """Whether an aten overload returns a view of an input (``t``, ``permute``, ``view``...)."""
+    if not isinstance(target, OpOverload):
+        return False
+    schema = target._schema
+    return not schema.is_mutable and any(r.alias_info is not None for r in schema.returns)
