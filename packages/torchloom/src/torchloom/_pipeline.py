@@ -205,6 +205,7 @@ def _compile_cold(
         with (
             _timed(ctx, "aot", "trace, partition and forward codegen"),
             compat.codegen_context(example_inputs),
+            compat.inductor_config.patch(max_autotune=options.max_autotune),
         ):
             compiled = backend(gm, example_inputs)
     except LoomRefusal:
