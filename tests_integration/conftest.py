@@ -4,7 +4,7 @@ Every test starts from a clean compiler state: Dynamo's caches and counters
 and torchloom's report are reset before and after it, and loom's artifact
 cache points at an empty directory, so a test's graphs, recompiles and cache
 misses are its own. ``tests_integration/`` is put on ``sys.path`` so tests
-import the program corpus as ``corpus``.
+import the program corpus as ``loom_corpus``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from corpus import PROGRAMS, Program, by_name, run_differential
+from loom_corpus import PROGRAMS, Program, by_name, run_differential
 
 BACKEND = os.environ.get("LOOM_CORPUS_BACKEND", "loom")
 INDUCTOR_ON_CPU = (
@@ -156,7 +156,7 @@ def _calls_only_disabled_code(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_runner_reports_a_program_that_dynamo_does_not_compile() -> None:
-    from corpus import Case, gen, randn
+    from loom_corpus import Case, gen, randn
 
     skipped = Program(
         "skipped_by_dynamo",
