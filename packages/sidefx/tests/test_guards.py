@@ -190,3 +190,44 @@ def test_present_guard_is_the_dual_of_absent() -> None:
     assert check(roots(x=1, d={"k": 0}))
     assert not check(roots(d={"k": 0}))
     assert not check(roots(x=1, d={}))
+
+
+def test_distinct_from_guard_fails_when_two_sources_alias() -> None:
+    guard = Guard(GuardKind.DISTINCT_FROM, GlobalSource("a"), GlobalSource("b"))
+    check = compile_guards([guard])
+    assert check(Roots((), {"a": [], "b": []}))
+    shared: list[int] = []
+    assert not check(Roots((), {"a": shared, "b": shared}))
+    assert guard.describe() == "G['a'] is not G['b']"
+
+
+class _Atom:
+    """An immutable atom compared by value (like torch.dtype)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Atom) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return f"atom.{self.name}"
+
+
+def test_a_registered_constant_type_is_recorded_keyed_and_guarded_by_value() -> None:
+    from loom_sidefx import SideEffects, is_constant, register_constant_type
+
+    assert not is_constant(_Atom("a"))
+    register_constant_type(_Atom)
+    assert is_constant(_Atom("a")) and is_constant((_Atom("a"), 1))
+    seen: set[object] = set()
+    se = SideEffects()
+    se.set_add(se.track_existing(seen, GlobalSource("seen")), _Atom("f32"))
+    se.build().apply(Roots((), {"seen": seen}))
+    assert seen == {_Atom("f32")}
+    check = compile_guards([Guard(GuardKind.EQUALS, GlobalSource("d"), _Atom("f32"))])
+    assert check(Roots((), {"d": _Atom("f32")}))
+    assert not check(Roots((), {"d": _Atom("bf16")}))

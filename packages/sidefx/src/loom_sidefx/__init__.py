@@ -36,6 +36,7 @@ from ._values import (
     Value,
     concrete,
     is_constant,
+    register_constant_type,
 )
 
 __version__ = "0.1.0"
@@ -82,4 +83,5 @@ __all__ = [
     "concrete",
     "constant_guard",
     "is_constant",
+    "register_constant_type",
 ]

@@ -50,6 +50,9 @@ class GuardKind(enum.Enum):
     PRESENT = "present"
     #: ``value is`` the object at another source (``expected`` is that Source).
     SAME_AS = "same_as"
+    #: ``value is not`` the object at another source (``expected`` is that
+    #: Source): two objects a trace modelled as distinct must not alias.
+    DISTINCT_FROM = "distinct_from"
     #: ``tuple(value) == expected``: a dict's keys, in order (constants).
     DICT_KEYS = "dict_keys"
     #: ``expected(value)`` is true, for a :class:`GuardPredicate` supplied by the
@@ -87,8 +90,10 @@ class Guard:
             self.source, GlobalSource | ItemSource | AttrSource
         ):
             raise TypeError(f"{self.kind.name} guard needs a global, item or attribute source")
-        if self.kind is GuardKind.SAME_AS and not isinstance(self.expected, Source):
-            raise TypeError("SAME_AS guard needs a Source")
+        if self.kind in (GuardKind.SAME_AS, GuardKind.DISTINCT_FROM) and not isinstance(
+            self.expected, Source
+        ):
+            raise TypeError(f"{self.kind.name} guard needs a Source")
         if self.kind is GuardKind.DICT_KEYS and not (
             type(self.expected) is tuple and is_constant(self.expected)
         ):
@@ -103,7 +108,7 @@ class Guard:
             return False
         if self.kind in (GuardKind.EQUALS, GuardKind.DICT_KEYS):
             return _same_constant(self.expected, other.expected)
-        if self.kind is GuardKind.SAME_AS:
+        if self.kind in (GuardKind.SAME_AS, GuardKind.DISTINCT_FROM):
             return bool(self.expected == other.expected)
         return bool(self.expected is other.expected)
 
@@ -131,6 +136,8 @@ class Guard:
             return f"present({src})"
         if self.kind is GuardKind.SAME_AS:
             return f"{src} is {self.expected.describe()}"
+        if self.kind is GuardKind.DISTINCT_FROM:
+            return f"{src} is not {self.expected.describe()}"
         if self.kind is GuardKind.DICT_KEYS:
             return f"keys({src}) == {self.expected!r}"
         return f"{self.expected.describe()}({src})"
@@ -171,6 +178,8 @@ def compile_guards(guards: Sequence[Guard]) -> Callable[[Roots], bool]:
         e = guard.expected
         if guard.kind is GuardKind.SAME_AS:
             cond = f"{v} is {em.source(e)}"
+        elif guard.kind is GuardKind.DISTINCT_FROM:
+            cond = f"{v} is not {em.source(e)}"
         elif guard.kind is GuardKind.DICT_KEYS:
             cond = f"tuple({v}) == {em.const(e)}"
         elif guard.kind is GuardKind.PREDICATE:

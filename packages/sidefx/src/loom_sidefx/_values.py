@@ -32,6 +32,7 @@ __all__ = [
     "Value",
     "concrete",
     "is_constant",
+    "register_constant_type",
 ]
 
 #: A recorded value: a constant, Ref, TensorSlot, Original, Computed, or a tuple of values.
@@ -42,10 +43,27 @@ _CONSTANT_TYPES: frozenset[type] = frozenset(
 )
 
 
+#: Immutable, hashable types a caller declared constant (see register_constant_type).
+_REGISTERED_CONSTANT_TYPES: set[type] = set()
+
+
+def register_constant_type(cls: type) -> None:
+    """Declare instances of ``cls`` (exact type) immutable, hashable constants.
+
+    For a caller's atoms that have a deterministic ``repr`` and compare by
+    value, such as ``torch.dtype`` or ``torch.device``: they are then recorded,
+    used as keys and guarded (EQUALS) like builtin constants. Registration is
+    process-wide and cannot be undone.
+    """
+    if cls.__hash__ is None:
+        raise TypeError(f"{cls.__qualname__} is not hashable")
+    _REGISTERED_CONSTANT_TYPES.add(cls)
+
+
 def is_constant(value: object) -> bool:
-    """True for immutable constants replayed by value (exact builtin types only)."""
+    """True for immutable constants replayed by value (exact builtin types, or registered)."""
     t = type(value)
-    if t in _CONSTANT_TYPES:
+    if t in _CONSTANT_TYPES or t in _REGISTERED_CONSTANT_TYPES:
         return True
     if t is tuple or t is frozenset:
         return all(is_constant(v) for v in value)  # type: ignore[attr-defined]
