@@ -31,18 +31,11 @@ from loom_hops._saved_hooks import HookPair
 from loom_hops._torch_compat import fake_mode_of, pytree
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
 from loom_hops.tracer import HookUnsupported, TracedHook, trace_hook
-from loom_hops.tracer.replay import BinRef, ConstRef, NewRef, Ref, ReplayPlan, SourceRef
-from loom_hops.tracer.sources import ArgSource, Source
+from loom_sidefx import ArgSource, Computed, Op, Original, Ref, ReplayPlan, TensorSlot
 
 __all__ = ["TracedPythonHooks", "trace_python_hooks"]
 
 Decompositions = Mapping[Any, Callable[..., Any]]
-
-
-def _root(source: Source) -> Source:
-    while (base := getattr(source, "base", None)) is not None:
-        source = base
-    return source
 
 
 def _is_number_like(value: Any) -> bool:
@@ -53,19 +46,29 @@ def _is_number_like(value: Any) -> bool:
     return True
 
 
-def _replayable(ref: Ref | None, plan: ReplayPlan) -> bool:
-    """Whether ``ref`` can be evaluated after the graph without graph outputs or arguments."""
-    if ref is None:
-        return True
-    if isinstance(ref, ConstRef):
-        return _is_number_like(ref.value)
-    if isinstance(ref, SourceRef):
-        return not isinstance(_root(ref.source), ArgSource)
-    if isinstance(ref, BinRef):
-        return _replayable(ref.lhs, plan) and _replayable(ref.rhs, plan)
-    if isinstance(ref, NewRef):
-        return all(_replayable(r, plan) for r in plan.new_objects[ref.index].items)
-    return False  # a TensorSlot: the value lives in the graph
+def _replayable(value: Any, plan: ReplayPlan) -> bool:
+    """Whether ``value`` can be evaluated after the graph without graph outputs or arguments."""
+    if isinstance(value, TensorSlot):
+        return False  # the value lives in the graph
+    if isinstance(value, Original):
+        return value.source is not None and not isinstance(value.source.root(), ArgSource)
+    if isinstance(value, Computed):
+        return _replayable(value.lhs, plan) and _replayable(value.rhs, plan)
+    if isinstance(value, tuple):
+        return all(_replayable(v, plan) for v in value)
+    if isinstance(value, Ref):
+        for pre in plan.preexisting:
+            if pre.ref == value:
+                return not isinstance(pre.source.root(), ArgSource)
+        new = next(n for n in plan.new_objects if n.ref == value)
+        parts = (*new.items, *(v for _, v in new.entries), *(v for _, v in new.attrs))
+        return all(_replayable(v, plan) for v in (*parts, *new.contents))
+    return _is_number_like(value)
+
+
+def _describe_op(op: Op, plan: ReplayPlan) -> str:
+    target = "" if op.target is None else f" on {plan.names()[op.target]}"
+    return f"{op.kind.value}{target}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,26 +78,27 @@ class _Traced:
 
     @property
     def pure(self) -> ReplayPlan:
-        return dataclasses.replace(self.hook.replay, effects=())
+        return dataclasses.replace(self.hook.replay, ops=())
 
     def call_pure(self, *args: Any) -> Any:
         """The hook's return value, computed by its graph, without its side effects."""
         outs = self.hook.graph(*self.hook.graph_inputs(*args))
-        return self.pure.apply(tuple(outs), args)
+        return self.pure.apply(self.hook.roots(*args), tuple(outs))[0]
 
     def effects(self, example_args: tuple[Any, ...]) -> Callable[[], None] | None:
         plan = self.hook.replay
-        if not plan.effects:
+        if not plan.ops:
             return None
         # NOTE: new objects the return value needs are rebuilt too; they read graph
         # outputs, which are the compile-time fake values here (never escaping).
         mode = fake_mode_of(list(pytree.tree_leaves(example_args)))
         with mode if mode is not None else contextlib.nullcontext():
             fake_outs = tuple(self.hook.graph(*self.hook.graph_inputs(*example_args)))
-        replay = dataclasses.replace(plan, output=ConstRef(None))
+        replay = dataclasses.replace(plan, results=())
+        roots = self.hook.roots(*example_args)
 
         def run_effects() -> None:
-            replay.apply(fake_outs, example_args)
+            replay.apply(roots, fake_outs)
 
         return run_effects
 
@@ -107,7 +111,7 @@ def _check(traced: TracedHook | HookUnsupported, where: str) -> _Traced | Unsupp
             f"the hook tracer refused it: {traced.kind.value}: {traced.explanation}",
             traced.hint,
         )
-    outside = [s.describe() for s in traced.input_sources if not isinstance(_root(s), ArgSource)]
+    outside = [s.describe() for s in traced.input_sources if not isinstance(s.root(), ArgSource)]
     if outside:
         return Unsupported(
             HopsRefusalKind.HOOK_READS_OUTSIDE_TENSORS,
@@ -116,12 +120,12 @@ def _check(traced: TracedHook | HookUnsupported, where: str) -> _Traced | Unsupp
             "pass such tensors through the packed value, or write the hook as a GraphModule",
         )
     plan = traced.replay
-    for eff in plan.effects:
-        if not all(_replayable(r, plan) for r in (eff.target, eff.key, eff.value)):
+    for op in plan.ops:
+        if not all(_replayable(v, plan) for v in (op.target, *op.args)):
             return Unsupported(
                 HopsRefusalKind.HOOK_SIDE_EFFECTS_UNSUPPORTED,
-                eff.where or where,
-                f"the side effect {eff.describe()} needs a tensor or a symbolic value "
+                op.where or where,
+                f"the side effect {_describe_op(op, plan)} needs a tensor or a symbolic value "
                 "from the graph at replay time",
                 "record Python values (sizes of static shapes, dtypes, counts) instead",
             )

@@ -16,19 +16,17 @@ from typing import Any
 import pytest
 import torch
 
-from loom_hops.tracer import GuardKind, HookUnsupported, TracedHook, TraceRefusal, trace_hook
-from loom_hops.tracer.frame import HANDLERS, handles
-from loom_hops.tracer.replay import (
-    ConstRef,
-    Effect,
-    EffectOp,
-    NewKind,
-    NewObject,
-    NewRef,
+from loom_hops.tracer import (
+    GuardKind,
+    HookUnsupported,
     ReplayPlan,
-    ReplayPlanError,
-    TensorSlot,
+    TensorMeta,
+    TracedHook,
+    TraceRefusal,
+    trace_hook,
 )
+from loom_hops.tracer.frame import HANDLERS, handles
+from loom_sidefx import Computed, OpKind, Original, TensorSlot
 
 sys.path.insert(0, str(Path(__file__).parent))
 import corpus
@@ -127,9 +125,9 @@ def test_user_outputs_come_first_then_side_effect_slots() -> None:
     outputs = tr.graph(*tr.graph_inputs(x))
     assert torch.equal(outputs[0], x * 2)
     assert torch.equal(outputs[1], x.amax())
-    (append,) = tr.replay.effects
-    assert append.op is EffectOp.LIST_APPEND and append.value == TensorSlot(1)
-    result = tr.replay.apply(outputs, (x,))
+    (append,) = tr.replay.ops
+    assert append.kind is OpKind.LIST_APPEND and append.args == (TensorSlot(1),)
+    result = tr.replay_outputs(outputs, (x,))
     assert result[0] is torch.float32 and torch.equal(result[1], x * 2)
     assert len(log) == 1 and torch.equal(log[0], x.amax())
 
@@ -214,36 +212,22 @@ def test_the_same_list_reached_two_ways_is_guarded_as_aliased() -> None:
 # ------------------------------------------------------------- replay plans
 
 
-def _plan(**changes: Any) -> ReplayPlan:
-    base: dict[str, Any] = {
-        "reads": (),
-        "new_objects": (NewObject(NewKind.LIST, (ConstRef(1), TensorSlot(0))),),
-        "effects": (),
-        "output": NewRef(0),
-        "num_slots": 1,
-    }
-    base.update(changes)
-    return ReplayPlan(**base)
+def test_a_traced_hook_replays_through_a_loom_sidefx_plan() -> None:
+    counts: dict[str, Any] = {"calls": 0}
 
+    def hook(t):
+        counts["calls"] += 1
+        return t + 1
 
-def test_valid_replay_plan_passes_check() -> None:
-    _plan().check()
-
-
-def test_replay_plan_check_rejects_slot_out_of_range() -> None:
-    with pytest.raises(ReplayPlanError, match="slot 3"):
-        _plan(output=TensorSlot(3)).check()
-
-
-def test_replay_plan_check_rejects_new_object_used_before_built() -> None:
-    bad = (NewObject(NewKind.TUPLE, (NewRef(0),)),)
-    with pytest.raises(ReplayPlanError, match="before it is built"):
-        _plan(new_objects=bad).check()
-
-
-def test_replay_plan_check_rejects_effect_missing_operand() -> None:
-    with pytest.raises(ReplayPlanError, match="value missing"):
-        _plan(effects=(Effect(EffectOp.LIST_APPEND, target=NewRef(0)),)).check()
+    tr = traced(hook, torch.ones(2))
+    assert isinstance(tr.replay, ReplayPlan)
+    tr.replay.check()
+    (store,) = tr.replay.ops
+    assert store.kind is OpKind.DICT_SETITEM and store.key == "calls"
+    (count,) = store.args
+    assert isinstance(count, Computed) and count.op == "+" and isinstance(count.lhs, Original)
+    out = tr.run(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 2.0)) and counts == {"calls": 1}
 
 
 # -------------------------------------------------------------- fingerprint
@@ -352,7 +336,10 @@ def test_symbolic_sizes_flow_into_tensor_ops_and_the_graph_serves_other_sizes() 
         return (t.dtype, t.reshape(n).to(torch.bfloat16), t[: len(t) // 2])
 
     tr = traced(pack, _symbolic_fake(8, 4))
-    assert any(g.kind is GuardKind.TENSOR_MATCH and "?" in g.describe() for g in tr.guards)
+    assert any(
+        g.kind is GuardKind.PREDICATE and isinstance(g.expected, TensorMeta) and "?" in g.describe()
+        for g in tr.guards
+    )
     for rows in (8, 5):
         x = torch.randn(rows, 4)
         assert tr.check_guards(x)

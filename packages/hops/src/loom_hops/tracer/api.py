@@ -11,6 +11,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from loom_sidefx import ArgSource, ObjectSource, compile_guards
+
 from . import _torch_compat
 from . import ops_arith as _ops_arith  # noqa: F401  (registers handlers)
 from . import ops_call as _ops_call  # noqa: F401
@@ -20,9 +22,7 @@ from . import ops_stack as _ops_stack  # noqa: F401
 from .context import TraceContext
 from .fingerprint import compute_fingerprint
 from .frame import inline_call, make_root_function
-from .guards import compile_guards
 from .refusal import HookUnsupported, Refused, TraceRefusal, refuse
-from .sources import ArgSource, ObjectSource
 from .traced import TracedHook
 
 log = logging.getLogger("torchloom.hops.tracer")
@@ -74,8 +74,9 @@ def trace_hook(
             f"internal error of the hook tracer: {type(exc).__name__}: {exc}",
             "please report this hook; it runs eagerly meanwhile",
         )
-    guards = tuple(ctx.guards.values())
-    guard_fn, guard_source = compile_guards(guards)
+    guards = tuple(ctx.guards)
+    guard_fn = compile_guards(guards)
+    guard_source = str(guard_fn.__globals__.get("__loom_source__", guard_fn.__doc__))
     input_sources = tuple(source for source, _, _ in ctx.inputs)
     fingerprint = compute_fingerprint(ctx.codes, guards, input_sources, graph, plan, num_user)
     traced = TracedHook(
@@ -90,6 +91,9 @@ def trace_hook(
         fingerprint=fingerprint,
         opaque_calls=tuple(ctx.opaque_calls),
         torch_graph=torch_gm,
+        _input_getters=tuple(source.compile() for source in input_sources),
+        _globals=func.__globals__,
+        _closure=func.__closure__ or (),
     )
     log.debug("traced hook %s\n%s", func.__qualname__, traced.describe())
     return traced

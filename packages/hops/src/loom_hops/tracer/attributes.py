@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
+from loom_sidefx import AttrSource, GuardKind, ObjectSource, OpKind
+
 from .context import TraceContext, is_const, is_symbolic, slot
-from .guards import GuardKind
 from .refusal import TraceRefusal, refuse
-from .replay import EffectOp
-from .sources import AttrSource, ObjectSource
 from .values import (
     ConstV,
     FunctionV,
@@ -231,7 +230,7 @@ def _object_attr(ctx: TraceContext, v: ObjectV, name: str, depth: int) -> Value:
     if static is not None:
         if inst_dict is not None:
             # An instance attribute of that name, set later, would shadow the class's.
-            ctx.guard(v.source, GuardKind.INSTANCE_ATTR_ABSENT, name)
+            ctx.guard_attr_absent(v.source, name)
         if isinstance(static, types.FunctionType):
             if v.source is not None and getattr(cls, name, None) is static:
                 # The class dict is mutable too: the method must stay this function.
@@ -291,7 +290,7 @@ def set_attr(ctx: TraceContext, v: Value, name: str, value: Value) -> None:
         )
     v.attrs[name] = value
     v.deleted.discard(name)
-    ctx.effect(EffectOp.SET_ATTR, v, ConstV(name), value)
+    ctx.effect(OpKind.STORE_ATTR, v, ConstV(name), value)
 
 
 def del_attr(ctx: TraceContext, v: Value, name: str) -> None:
@@ -301,4 +300,4 @@ def del_attr(ctx: TraceContext, v: Value, name: str) -> None:
     get_attr(ctx, v, name, 0)  # AttributeError if it is not there
     v.attrs.pop(name, None)
     v.deleted.add(name)
-    ctx.effect(EffectOp.DEL_ATTR, v, ConstV(name))
+    ctx.effect(OpKind.DEL_ATTR, v, ConstV(name))

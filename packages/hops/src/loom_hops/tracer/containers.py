@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from loom_sidefx import OpKind
+
 from .context import TraceContext
 from .operators import python_op, python_value
 from .refusal import TraceRefusal, refuse
-from .replay import EffectOp
 from .values import ConstV, DictV, IteratorV, ListV, SetV, TupleV, Value
 
 
@@ -26,7 +27,7 @@ def list_append(ctx: TraceContext, lst: ListV, item: Value) -> None:
         lst.tail.append(item)
     else:
         lst.items.append(item)
-    ctx.effect(EffectOp.LIST_APPEND, lst, None, item)
+    ctx.effect(OpKind.LIST_APPEND, lst, None, item)
 
 
 def call_list_method(ctx: TraceContext, lst: ListV, name: str, args: list[Value]) -> Value:
@@ -41,7 +42,7 @@ def call_list_method(ctx: TraceContext, lst: ListV, name: str, args: list[Value]
     if name == "insert" and len(args) == 2:
         idx = ctx.specialize(args[0])
         items.insert(idx, args[1])
-        ctx.effect(EffectOp.LIST_INSERT, lst, ConstV(idx), args[1])
+        ctx.effect(OpKind.LIST_INSERT, lst, ConstV(idx), args[1])
         return none
     if name == "pop" and len(args) <= 1:
         idx = ctx.specialize(args[0]) if args else -1
@@ -49,11 +50,11 @@ def call_list_method(ctx: TraceContext, lst: ListV, name: str, args: list[Value]
             raise refuse(TraceRefusal.HOOK_RAISES, "IndexError: pop from empty list")
         norm = python_op(lambda: range(len(items))[idx])
         value = items.pop(norm)
-        ctx.effect(EffectOp.LIST_DELITEM, lst, ConstV(norm))
+        ctx.effect(OpKind.LIST_DELITEM, lst, ConstV(norm))
         return value
     if name == "clear" and not args:
         items.clear()
-        ctx.effect(EffectOp.LIST_CLEAR, lst)
+        ctx.effect(OpKind.LIST_CLEAR, lst)
         return none
     if name in ("index", "count", "__len__", "copy") and len(args) <= 1:
         if name == "__len__":
@@ -81,7 +82,7 @@ def call_dict_method(ctx: TraceContext, d: DictV, name: str, args: list[Value]) 
         if key not in items:
             value = args[1] if len(args) == 2 else ConstV(None)
             items[key] = value
-            ctx.effect(EffectOp.DICT_SETITEM, d, ConstV(key), value)
+            ctx.effect(OpKind.DICT_SETITEM, d, ConstV(key), value)
         return items[key]
     if name == "pop" and 1 <= len(args) <= 2:
         key = ctx.specialize(args[0])
@@ -90,7 +91,7 @@ def call_dict_method(ctx: TraceContext, d: DictV, name: str, args: list[Value]) 
                 return args[1]
             raise refuse(TraceRefusal.HOOK_RAISES, f"KeyError: {key!r}")
         value = items.pop(key)
-        ctx.effect(EffectOp.DICT_DELITEM, d, ConstV(key))
+        ctx.effect(OpKind.DICT_DELITEM, d, ConstV(key))
         return value
     if name == "update" and len(args) == 1:
         other = args[0]
@@ -104,11 +105,11 @@ def call_dict_method(ctx: TraceContext, d: DictV, name: str, args: list[Value]) 
                 pairs.append((ctx.specialize(k), v))
         for k, v in pairs:
             items[k] = v
-            ctx.effect(EffectOp.DICT_SETITEM, d, ConstV(k), v)
+            ctx.effect(OpKind.DICT_SETITEM, d, ConstV(k), v)
         return ConstV(None)
     if name == "clear" and not args:
         items.clear()
-        ctx.effect(EffectOp.DICT_CLEAR, d)
+        ctx.effect(OpKind.DICT_CLEAR, d)
         return ConstV(None)
     if name == "copy" and not args:
         return DictV(None, None, items=dict(items))
@@ -120,13 +121,11 @@ def call_set_method(ctx: TraceContext, s: SetV, name: str, args: list[Value]) ->
     if name in ("add", "discard") and len(args) == 1:
         value = ctx.specialize(args[0])
         python_op(getattr(items, name), value)
-        ctx.effect(
-            EffectOp.SET_ADD if name == "add" else EffectOp.SET_DISCARD, s, None, ConstV(value)
-        )
+        ctx.effect(OpKind.SET_ADD if name == "add" else OpKind.SET_DISCARD, s, None, ConstV(value))
         return ConstV(None)
     if name == "clear" and not args:
         items.clear()
-        ctx.effect(EffectOp.SET_CLEAR, s)
+        ctx.effect(OpKind.SET_CLEAR, s)
         return ConstV(None)
     if name == "copy" and not args:
         return SetV(None, None, items=set(items))

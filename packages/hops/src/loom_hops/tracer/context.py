@@ -13,22 +13,30 @@ from __future__ import annotations
 import operator
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 
-from . import _torch_compat
-from .guards import Guard, GuardKind, TensorMeta
-from .refusal import Refused, TraceRefusal, refuse
-from .replay import (
-    Effect,
-    EffectOp,
+from loom_sidefx import (
+    AttrSource,
+    CellContentsSource,
+    Guard,
+    GuardKind,
+    ItemSource,
+    ObjectSource,
+    OpKind,
+    Original,
     ReplayPlan,
-    SourceRef,
+    SameElements,
+    Source,
+    is_constant,
 )
-from .sources import AttrSource, CellSource, GlobalSource, ItemSource, Source
+
+from . import _torch_compat
+from .effects import PendingEffect, PlanRecorder
+from .predicates import EqualTo, TensorMeta
+from .refusal import TraceRefusal, refuse
 from .values import (
     CellV,
     ConstV,
@@ -102,14 +110,23 @@ def _is_constant_module(mod: types.ModuleType) -> bool:
     return mod.__name__.split(".")[0] in _CONSTANT_MODULES
 
 
-@dataclass
-class _PendingEffect:
-    op: EffectOp
-    target: Value | None
-    key: Value | None
-    value: Value | None
-    root: Source | None
-    where: str
+def globals_source(namespace: dict[str, Any]) -> ObjectSource:
+    """A globals dict held by identity (the hook's or an inlined function's module)."""
+    return ObjectSource(namespace, f"globals:{namespace.get('__name__', '?')}")
+
+
+def global_source(namespace: dict[str, Any], name: str) -> ItemSource:
+    """Global ``name`` of ``namespace``."""
+    return ItemSource(globals_source(namespace), name)
+
+
+def cell_object_source(cell: types.CellType, label: str) -> ObjectSource:
+    """A pre-existing closure cell held by identity."""
+    return ObjectSource(cell, f"cell:{label}")
+
+
+# Immutable singletons guarded by identity.
+_SINGLETON_TYPES = (torch.dtype, torch.layout, torch.memory_format, type(Ellipsis))
 
 
 class TraceContext:
@@ -120,8 +137,8 @@ class TraceContext:
         self.fake_mode = fake_mode
         self.max_depth = max_depth
         self.inputs: list[tuple[Source, torch.fx.Node, torch.Tensor]] = []
-        self.guards: dict[str, Guard] = {}
-        self.effects: list[_PendingEffect] = []
+        self.guards: dict[Guard, None] = {}
+        self.effects: list[PendingEffect] = []
         self.known: dict[int, Value] = {}
         self.keepalive: list[object] = []
         self.global_writes: dict[tuple[int, str], Value | None] = {}
@@ -134,8 +151,26 @@ class TraceContext:
     def guard(self, source: Source | None, kind: GuardKind, expected: Any) -> None:
         if source is None:
             return
-        g = Guard(source, kind, expected)
-        self.guards.setdefault(g.key, g)
+        self.guards.setdefault(Guard(kind, source, expected), None)
+
+    def guard_equals(self, source: Source | None, value: Any) -> None:
+        """The value at ``source`` must equal the immutable ``value`` (same exact type)."""
+        if source is None:
+            return
+        if isinstance(value, _SINGLETON_TYPES):
+            self.guard(source, GuardKind.IDENTITY, value)
+        elif is_constant(value):
+            self.guard(source, GuardKind.EQUALS, value)
+        elif type(value) is set:
+            self.guard(source, GuardKind.TYPE, set)
+            self.guard(source, GuardKind.PREDICATE, SameElements(frozenset(value)))
+        else:
+            self.guard(source, GuardKind.PREDICATE, EqualTo(value))
+
+    def guard_attr_absent(self, source: Source | None, name: str) -> None:
+        """``name`` must stay out of the instance ``__dict__`` of the object at ``source``."""
+        if source is not None:
+            self.guard(ItemSource(AttrSource(source, "__dict__"), name), GuardKind.ABSENT, None)
 
     def specialize(self, v: Value) -> Any:
         """The concrete Python value of a constant-like value, guarding what it came from."""
@@ -149,7 +184,7 @@ class TraceContext:
             return v.value
         if isinstance(v, LazyNum):
             for source, value in v.leaves:
-                self.guard(source, GuardKind.EQUALS, value)
+                self.guard_equals(source, value)
             return v.value
         if isinstance(v, SymV):
             raise refuse(
@@ -176,7 +211,7 @@ class TraceContext:
             self.specialize(v)  # a SymInt is an int to the hook: refuse rather than lie
         if isinstance(v, LazyNum):
             for source, value in v.leaves:
-                self.guard(source, GuardKind.TYPE_MATCH, type(value))
+                self.guard(source, GuardKind.TYPE, type(value))
         return v.py_type
 
     # ---------------------------------------------------------------- wrapping
@@ -198,13 +233,13 @@ class TraceContext:
         if isinstance(obj, (int, float)) and not isinstance(obj, bool):
             if source is None:
                 return ConstV(obj)
-            return LazyNum(obj, SourceRef(source), ((source, obj),), source)
+            return LazyNum(obj, Original(source, obj), ((source, obj),), source)
         if is_const(obj):
-            self.guard(source, GuardKind.EQUALS, obj)
+            self.guard_equals(source, obj)
             return ConstV(obj, source)
         if type(obj) is tuple or (isinstance(obj, tuple) and hasattr(type(obj), "_fields")):
-            self.guard(source, GuardKind.TYPE_MATCH, type(obj))
-            self.guard(source, GuardKind.LEN_EQUALS, len(obj))
+            self.guard(source, GuardKind.TYPE, type(obj))
+            self.guard(source, GuardKind.LENGTH, len(obj))
             items = tuple(
                 self.wrap(x, ItemSource(source, i) if source is not None else None)
                 for i, x in enumerate(obj)
@@ -231,20 +266,20 @@ class TraceContext:
             )
         cls = type(obj)
         if isinstance(obj, list):
-            self.guard(source, GuardKind.TYPE_MATCH, cls)
+            self.guard(source, GuardKind.TYPE, cls)
             return self.remember(obj, ListV(obj, source, cls=cls))
         if isinstance(obj, dict):
-            self.guard(source, GuardKind.TYPE_MATCH, cls)
+            self.guard(source, GuardKind.TYPE, cls)
             return self.remember(obj, DictV(obj, source, cls=cls))
         if isinstance(obj, set):
-            self.guard(source, GuardKind.TYPE_MATCH, cls)
+            self.guard(source, GuardKind.TYPE, cls)
             return self.remember(obj, SetV(obj, source, cls=cls))
         if (
             hasattr(obj, "__dict__")
             and slot(cls, "__getattribute__") is object.__getattribute__
             and not isinstance(obj, (types.MethodType, types.GeneratorType))
         ):
-            self.guard(source, GuardKind.TYPE_MATCH, cls)
+            self.guard(source, GuardKind.TYPE, cls)
             return self.remember(obj, ObjectV(obj, source))
         raise refuse(
             TraceRefusal.UNSUPPORTED_VALUE,
@@ -272,7 +307,7 @@ class TraceContext:
         known = self.known.get(id(cell))
         if isinstance(known, CellV):
             return known
-        v = CellV(label, cell, source=CellSource(cell, label))
+        v = CellV(label, cell, source=CellContentsSource(cell_object_source(cell, label)))
         self.remember(cell, v)
         return v
 
@@ -281,7 +316,7 @@ class TraceContext:
             raise refuse(
                 TraceRefusal.UNSUPPORTED_VALUE, "a tensor with no source (a default value?)"
             )
-        self.guard(source, GuardKind.TENSOR_MATCH, TensorMeta.of(t))
+        self.guard(source, GuardKind.PREDICATE, TensorMeta.of(t))
         fake = _torch_compat.to_fake(self.fake_mode, t)
         first = next((n for n in self.graph.nodes if n.op != "placeholder"), None)
         if first is None:
@@ -297,7 +332,7 @@ class TraceContext:
     def list_items(self, v: ListV) -> list[Value]:
         if v.items is None:
             src = v.source
-            self.guard(src, GuardKind.LEN_EQUALS, len(v.obj))
+            self.guard(src, GuardKind.LENGTH, len(v.obj))
             v.items = [
                 self.wrap(x, ItemSource(src, i) if src is not None else None)
                 for i, x in enumerate(list.__iter__(v.obj))
@@ -330,7 +365,7 @@ class TraceContext:
         if v.items is None:
             if not all(is_const(x) for x in v.obj):
                 raise refuse(TraceRefusal.UNSUPPORTED_VALUE, "a set of non-constant values is read")
-            self.guard(v.source, GuardKind.EQUALS, set(v.obj))
+            self.guard_equals(v.source, set(v.obj))
             v.items = set(v.obj)
         return v.items
 
@@ -383,27 +418,27 @@ class TraceContext:
     # ----------------------------------------------------------------- effects
     def effect(
         self,
-        op: EffectOp,
+        op: OpKind,
         target: Value | None = None,
         key: Value | None = None,
         value: Value | None = None,
-        root: Source | None = None,
     ) -> None:
         if target is not None and target.source is None:
             return  # a new object: its final state is rebuilt, not replayed
-        self.effects.append(_PendingEffect(op, target, key, value, root, self.where))
+        self.effects.append(PendingEffect(op, target, key, value, self.where))
 
     def store_cell(self, cell: CellV, value: Value) -> None:
         cell.contents, cell.loaded = value, True
         if cell.cell is not None:
             self.effects.append(
-                _PendingEffect(
-                    EffectOp.STORE_CELL,
+                PendingEffect(
+                    OpKind.STORE_CELL,
                     None,
                     None,
                     value,
-                    CellSource(cell.cell, cell.label),
                     self.where,
+                    root=cell.cell,
+                    root_source=cell_object_source(cell.cell, cell.label),
                 )
             )
 
@@ -430,8 +465,7 @@ class TraceContext:
             if written is None:
                 raise refuse(TraceRefusal.HOOK_RAISES, f"name {name!r} is not defined")
             return written
-        module = str(namespace.get("__name__", "?"))
-        source = GlobalSource(namespace, module, name)
+        source = global_source(namespace, name)
         if name in namespace:
             return self.wrap(namespace[name], source)
         builtins_ns = namespace.get("__builtins__", __builtins__)
@@ -439,16 +473,24 @@ class TraceContext:
             builtins_ns = vars(builtins_ns)
         if name not in builtins_ns:
             raise refuse(TraceRefusal.HOOK_RAISES, f"name {name!r} is not defined")
-        self.guard(source, GuardKind.GLOBAL_ABSENT, name)
+        self.guard(source, GuardKind.ABSENT, None)
         return ConstV(builtins_ns[name])
 
     def store_global(self, namespace: dict[str, Any], name: str, value: Value | None) -> None:
         self.keepalive.append(namespace)
         self.global_writes[(id(namespace), name)] = value
-        module = str(namespace.get("__name__", "?"))
-        op = EffectOp.STORE_GLOBAL if value is not None else EffectOp.DELETE_GLOBAL
+        op = OpKind.DICT_SETITEM if value is not None else OpKind.DICT_DELITEM
         self.effects.append(
-            _PendingEffect(op, None, None, value, GlobalSource(namespace, module, name), self.where)
+            PendingEffect(
+                op,
+                None,
+                None,
+                value,
+                self.where,
+                root=namespace,
+                root_source=globals_source(namespace),
+                name=name,
+            )
         )
 
     # ------------------------------------------------------------------ tensors
@@ -571,36 +613,12 @@ class TraceContext:
     def finish(self, result: Value) -> tuple[torch.fx.GraphModule, ReplayPlan, int]:
         """Graph outputs + replay plan for the hook's return value and buffered effects."""
         self.guard_no_aliasing()
-        from .plan_builder import PlanBuilder
-
-        builder = PlanBuilder(self)
-        output = builder.ref(result)
-        num_user = len(builder.slots)
-        effects: list[Effect] = []
-        for e in self.effects:
-            try:
-                effects.append(
-                    Effect(
-                        e.op,
-                        builder.ref(e.target) if e.target is not None else None,
-                        builder.ref(e.key) if e.key is not None else None,
-                        builder.ref(e.value) if e.value is not None else None,
-                        e.root,
-                        e.where,
-                    )
-                )
-            except Refused as exc:
-                exc.where = exc.where or e.where
-                raise
-        self.graph.output(tuple(builder.slots))
+        recorder = PlanRecorder(self)
+        plan, num_user = recorder.finish(result, self.effects)
+        for guard in recorder.se.observed_guards():
+            self.guards.setdefault(guard, None)
+        self.graph.output(tuple(recorder.slots))
         gm = torch.fx.GraphModule(torch.nn.Module(), self.graph)
-        plan = ReplayPlan(
-            reads=tuple(builder.reads.values()),
-            new_objects=tuple(builder.new_objects),
-            effects=tuple(effects),
-            output=output,
-            num_slots=len(builder.slots),
-        )
         return gm, plan, num_user
 
 

@@ -16,19 +16,19 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.fx
 
-from .._pyversion import PY_TAG
-from .guards import Guard
-from .replay import ReplayPlan, _stable_repr
-from .sources import Source
+from loom_sidefx import Guard, GuardKind, ReplayPlan, Source
 
-FORMAT_VERSION = "loom-hook-tracer/1"
+from .._pyversion import PY_TAG
+from .predicates import describe_object, stable_repr
+
+FORMAT_VERSION = "loom-hook-tracer/2"
 
 
 def code_text(code: types.CodeType) -> str:
     """Canonical text of a code object (nested code objects included, addresses excluded)."""
     consts = []
     for c in code.co_consts:
-        consts.append(code_text(c) if isinstance(c, types.CodeType) else _stable_repr(c))
+        consts.append(code_text(c) if isinstance(c, types.CodeType) else stable_repr(c))
     return "|".join(
         [
             code.co_qualname,
@@ -40,6 +40,13 @@ def code_text(code: types.CodeType) -> str:
             f"[{';'.join(consts)}]",
         ]
     )
+
+
+def guard_text(guard: Guard) -> str:
+    """A guard's text, naming what an IDENTITY guard holds (its ``describe`` names only the type)."""
+    if guard.kind is GuardKind.IDENTITY:
+        return f"{guard.source.describe()} is {describe_object(guard.expected)}"
+    return guard.describe()
 
 
 def graph_text(gm: torch.fx.GraphModule) -> str:
@@ -75,7 +82,7 @@ def compute_fingerprint(
             seen.add(text)
             add(text)
     for guard in guards:
-        add(guard.describe())
+        add(guard_text(guard))
     for source in inputs:
         add(source.describe())
     add(graph_text(graph))

@@ -15,9 +15,10 @@ import os
 import types
 from collections.abc import Callable
 
+from loom_sidefx import ObjectSource
+
 from .context import TraceContext
 from .refusal import Refused, TraceRefusal, refuse
-from .sources import ObjectSource
 from .values import CellV, DictV, FunctionV, IteratorV, TupleV, Value
 
 Handler = Callable[["Frame", dis.Instruction], None]

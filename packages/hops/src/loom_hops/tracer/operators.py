@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from loom_sidefx import COMPUTE_OPS, Computed, OpKind
+from loom_sidefx import Value as Recorded
+
 from .context import TraceContext, operand, slot
 from .refusal import TraceRefusal, refuse
-from .replay import BINARY_OPS, BinRef, ConstRef, EffectOp, Ref
 from .values import (
     ConstV,
     DictV,
@@ -48,7 +50,10 @@ INPLACE_OPS: dict[str, Callable[[Any, Any], Any]] = {
     ">>": operator.irshift,
     "@": operator.imatmul,
 }
-PLAIN_OPS: dict[str, Callable[[Any, Any], Any]] = {**BINARY_OPS, "@": operator.matmul}
+PLAIN_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    **{k: fn for k, fn in COMPUTE_OPS.items() if k not in ("min", "max")},
+    "@": operator.matmul,
+}
 COMPARE_OPS: dict[str, Callable[[Any, Any], Any]] = {
     "<": operator.lt,
     "<=": operator.le,
@@ -67,11 +72,11 @@ def python_op(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise refuse(TraceRefusal.HOOK_RAISES, f"{type(exc).__name__}: {exc}") from None
 
 
-def _ref_of(v: Value) -> tuple[Ref, tuple[Any, ...]]:
+def _ref_of(v: Value) -> tuple[Recorded, tuple[Any, ...]]:
     if isinstance(v, LazyNum):
         return v.ref, v.leaves
     assert isinstance(v, ConstV)
-    return ConstRef(v.value), ()
+    return v.value, ()
 
 
 def binary_op(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
@@ -97,14 +102,14 @@ def binary_op(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
         (isinstance(a, LazyNum) or isinstance(b, LazyNum))
         and isinstance(a, (LazyNum, ConstV))
         and isinstance(b, (LazyNum, ConstV))
-        and base in BINARY_OPS
+        and base in COMPUTE_OPS
         and isinstance(_peek(a), numeric)
         and isinstance(_peek(b), numeric)
     ):
-        value = python_op(BINARY_OPS[base], _peek(a), _peek(b))
+        value = python_op(COMPUTE_OPS[base], _peek(a), _peek(b))
         ra, la = _ref_of(a)
         rb, lb = _ref_of(b)
-        return LazyNum(value, BinRef(base, ra, rb), la + lb)
+        return LazyNum(value, Computed(base, ra, rb), la + lb)
     x, y = operand(ctx, a), operand(ctx, b)
     return ConstV(python_op(PLAIN_OPS[base], x, y))
 
@@ -246,7 +251,7 @@ def set_item(ctx: TraceContext, container: Value, index: Value, value: Value) ->
             raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, "slice assignment to a list")
         items = ctx.list_items(container)
         python_op(operator.setitem, items, idx, value)
-        ctx.effect(EffectOp.LIST_SETITEM, container, ConstV(idx), value)
+        ctx.effect(OpKind.LIST_SETITEM, container, ConstV(idx), value)
         return
     if isinstance(container, DictV) and slot(container.py_type, "__setitem__") is dict.__setitem__:
         key = ctx.specialize(index)
@@ -255,7 +260,7 @@ def set_item(ctx: TraceContext, container: Value, index: Value, value: Value) ->
             container.pending[key] = value
         else:
             container.items[key] = value
-        ctx.effect(EffectOp.DICT_SETITEM, container, ConstV(key), value)
+        ctx.effect(OpKind.DICT_SETITEM, container, ConstV(key), value)
         return
     raise refuse(
         TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
@@ -269,12 +274,12 @@ def del_item(ctx: TraceContext, container: Value, index: Value) -> None:
         if not isinstance(idx, int):
             raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, "slice deletion from a list")
         python_op(operator.delitem, ctx.list_items(container), idx)
-        ctx.effect(EffectOp.LIST_DELITEM, container, ConstV(idx))
+        ctx.effect(OpKind.LIST_DELITEM, container, ConstV(idx))
         return
     if isinstance(container, DictV) and slot(container.py_type, "__delitem__") is dict.__delitem__:
         key = ctx.specialize(index)
         python_op(operator.delitem, ctx.dict_items(container), key)
-        ctx.effect(EffectOp.DICT_DELITEM, container, ConstV(key))
+        ctx.effect(OpKind.DICT_DELITEM, container, ConstV(key))
         return
     raise refuse(
         TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"item deletion on a {container.py_type.__qualname__}"

@@ -3,22 +3,23 @@
 The graph takes the tensors named by ``input_sources`` (evaluated on the
 hook's call arguments) and returns ``num_user_outputs`` tensors of the hook's
 return value followed by the tensors its side effects store (the replay plan's
-``TensorSlot``s index this whole output tuple). ``replay.apply(outputs, args)``
-then performs the side effects and rebuilds the return value.
+``TensorSlot``s index this whole output tuple). ``replay`` is a
+``loom_sidefx.ReplayPlan``; ``replay_outputs(outputs, args)`` applies it on
+the call's ``Roots`` (``roots(*args)``), performing the side effects, and
+returns the hook's return value.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
 
-from .guards import Guard, GuardFn
-from .replay import ReplayPlan
-from .sources import Source
+from loom_sidefx import Guard, ReplayPlan, Roots, Source
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,11 +37,16 @@ class TracedHook:
     num_user_outputs: int
     replay: ReplayPlan
     guards: tuple[Guard, ...]
-    guard_fn: GuardFn = field(repr=False, compare=False)
+    guard_fn: Callable[[Roots], bool] = field(repr=False, compare=False)
     guard_source: str = field(repr=False)
     fingerprint: str
     opaque_calls: tuple[str, ...] = ()
     torch_graph: torch.fx.GraphModule | None = field(default=None, repr=False, compare=False)
+    _input_getters: tuple[Callable[[Roots], Any], ...] = field(
+        default=(), repr=False, compare=False
+    )
+    _globals: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    _closure: tuple[types.CellType, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def opaque(self) -> bool:
@@ -49,15 +55,28 @@ class TracedHook:
 
     @property
     def num_effect_outputs(self) -> int:
-        return self.replay.num_slots - self.num_user_outputs
+        return self.replay.num_tensor_slots - self.num_user_outputs
+
+    def roots(self, *args: Any) -> Roots:
+        """The ``loom_sidefx.Roots`` of a call ``fn(*args)`` (what sources and guards read)."""
+        if self._globals is not None:
+            return Roots(args, self._globals, self._closure)
+        fn = self.fn.__func__ if isinstance(self.fn, types.MethodType) else self.fn
+        return Roots(args, fn.__globals__, fn.__closure__ or ())
 
     def check_guards(self, *args: Any) -> bool:
         """Whether this trace is valid for a call ``fn(*args)`` (cheap; run it on every call)."""
-        return self.guard_fn(args)
+        return self.guard_fn(self.roots(*args))
 
     def graph_inputs(self, *args: Any) -> list[torch.Tensor]:
         """The graph's inputs for a call ``fn(*args)``."""
-        return [source.resolve(args) for source in self.input_sources]
+        roots = self.roots(*args)
+        getters = self._input_getters or tuple(s.compile() for s in self.input_sources)
+        return [get(roots) for get in getters]
+
+    def replay_outputs(self, outputs: Sequence[Any], args: Sequence[Any]) -> Any:
+        """Apply the replay plan after the graph ran with ``outputs``; return the hook's result."""
+        return self.replay.apply(self.roots(*args), tuple(outputs))[0]
 
     def run(self, *args: Any) -> Any:
         """Do what ``fn(*args)`` does: run the graph, then apply the replay plan.
@@ -66,7 +85,7 @@ class TracedHook:
         """
         with torch.no_grad():
             outputs = self.graph(*self.graph_inputs(*args))
-        return self.replay.apply(tuple(outputs), args)
+        return self.replay_outputs(outputs, args)
 
     def describe(self) -> str:
         lines = [

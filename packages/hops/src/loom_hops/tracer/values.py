@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from .replay import Ref
-from .sources import Source
+from loom_sidefx import Source
+from loom_sidefx import Value as Recorded
 
 
 class Value:
@@ -59,7 +59,7 @@ class LazyNum(Value):
     """An int/float computed from pre-existing state: guarded only when its value is used."""
 
     value: int | float
-    ref: Ref
+    ref: Recorded
     leaves: tuple[tuple[Source, object], ...]
     source: Source | None = None
 
