@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from loom_cells import CellModel, CellRefused
 from loom_sidefx import (
     AttrSource,
     CellContentsSource,
@@ -27,9 +28,12 @@ from loom_sidefx import (
     ObjectSource,
     OpKind,
     Original,
+    Ref,
     ReplayPlan,
     SameElements,
+    SideEffects,
     Source,
+    concrete,
     is_constant,
 )
 
@@ -146,6 +150,10 @@ class TraceContext:
         self.codes: list[types.CodeType] = []
         self.opaque_calls: list[str] = []
         self.where = "<hook>"
+        # The side-effect log and the cell model: pre-existing cells are read
+        # through them while tracing; effects are recorded when the trace ends.
+        self.side_effects = SideEffects()
+        self.cells = CellModel(self.side_effects)
 
     # ------------------------------------------------------------------ guards
     def guard(self, source: Source | None, kind: GuardKind, expected: Any) -> None:
@@ -439,18 +447,28 @@ class TraceContext:
                     self.where,
                     root=cell.cell,
                     root_source=cell_object_source(cell.cell, cell.label),
+                    name=cell.label,
                 )
             )
 
     def load_cell(self, cell: CellV) -> Value:
         if not cell.loaded:
             assert cell.cell is not None
+            self.side_effects.where = self.where
+            model = self.cells.existing(
+                cell.cell, cell_object_source(cell.cell, cell.label), cell.label
+            )
             try:
-                contents = cell.cell.cell_contents
-            except ValueError:
+                # Guards come from wrap, per value (a number read lazily needs none).
+                original = self.cells.load(model, guard=False)
+            except CellRefused:
                 raise refuse(
                     TraceRefusal.HOOK_RAISES, f"free variable {cell.label!r} is not bound yet"
                 ) from None
+            if isinstance(original, Ref):
+                contents = self.side_effects.live_object(original)
+            else:
+                contents = concrete(original)
             cell.contents, cell.loaded = self.wrap(contents, cell.source), True
         if cell.contents is None:
             raise refuse(
@@ -615,7 +633,7 @@ class TraceContext:
         self.guard_no_aliasing()
         recorder = PlanRecorder(self)
         plan, num_user = recorder.finish(result, self.effects)
-        for guard in recorder.se.observed_guards():
+        for guard in (*recorder.se.observed_guards(), *self.cells.guards()):
             self.guards.setdefault(guard, None)
         self.graph.output(tuple(recorder.slots))
         gm = torch.fx.GraphModule(torch.nn.Module(), self.graph)

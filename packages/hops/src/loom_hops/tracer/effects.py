@@ -7,18 +7,21 @@ guard), tensors as graph outputs (``TensorSlot``; user outputs are allocated
 first, because the return value is recorded first), containers the hook
 created with their final contents (``SideEffects.track_new``; tuples as plain
 tuples). Buffered effects are then replayed into the log in program order
-(``SideEffects.list_append``, ``store_cell``, ...), and ``SideEffects.build``
+(``SideEffects.list_append``, ``dict_setitem``, ...; writes to pre-existing
+closure cells through ``loom_cells.CellModel.store``), and ``SideEffects.build``
 makes the ``ReplayPlan``. Anything that cannot be rebuilt after the graph
 (functions or objects created in the hook, symbolic sizes) is refused here.
 """
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.fx
 
+from loom_cells import CellRefused
 from loom_sidefx import (
     ObjectSource,
     ObjKind,
@@ -27,7 +30,6 @@ from loom_sidefx import (
     Ref,
     ReplayPlan,
     SideEffectRefused,
-    SideEffects,
     Source,
     TensorSlot,
     is_constant,
@@ -86,7 +88,8 @@ class PlanRecorder:
 
     def __init__(self, ctx: TraceContext) -> None:
         self.ctx = ctx
-        self.se = SideEffects()
+        self.se = ctx.side_effects
+        self.cells = ctx.cells
         self.slots: list[torch.fx.Node] = []
         self.slot_of: dict[torch.fx.Node, TensorSlot] = {}
         self.new_of: dict[int, Ref] = {}
@@ -172,8 +175,9 @@ class PlanRecorder:
         se = self.se
         se.where = e.where
         if e.op is OpKind.STORE_CELL:
-            assert e.value is not None
-            se.store_cell(se.track_existing(e.root, e.root_source), self.value(e.value))
+            assert e.value is not None and isinstance(e.root, types.CellType)
+            cell = self.cells.existing(e.root, e.root_source, e.name)
+            self.cells.store(cell, self.value(e.value))
             return
         if e.root is not None:  # a globals dict
             ns = se.track_existing(e.root, e.root_source)
@@ -229,7 +233,7 @@ class PlanRecorder:
                     exc.where = exc.where or e.where
                     raise
             return self.se.build(results=(returned,)), num_user
-        except SideEffectRefused as exc:
+        except (SideEffectRefused, CellRefused) as exc:
             u = exc.reason
             refused = refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, u.explanation, u.hint)
             refused.where = u.where or None
