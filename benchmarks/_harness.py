@@ -323,29 +323,7 @@ def append_results(
     env = env_info(device)
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     out_dir = results_dir if results_dir is not None else RESULTS_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.md"
-    env_line = ", ".join(
-        f"{k} {env[k]}"
-        for k in (
-            "device",
-            "device_name",
-            "compute_capability",
-            "torch",
-            "cuda",
-            "triton",
-            "python",
-            "git_commit",
-        )
-        if env.get(k) is not None
-    )
-    block = [f"## {title} — {stamp}", "", f"_{env_line}_", ""]
-    if notes:
-        block += [notes.strip(), ""]
-    block += [format_table(rows), "", ""]
-    header = "" if path.exists() else f"# {name}\n\nAppended by `benchmarks/bench_{name}.py`.\n\n"
-    with path.open("a") as fh:
-        fh.write(header + "\n".join(block))
+    path = write_entry(out_dir, name, title, stamp, env, notes, rows)
     bench_out = os.environ.get("BENCH_OUT")
     if bench_out:
         json_path = Path(bench_out) / f"{name}.json"
@@ -353,6 +331,33 @@ def append_results(
         entries: list[Any] = json.loads(json_path.read_text()) if json_path.exists() else []
         entries.append({"title": title, "date": stamp, "env": env, "notes": notes, "rows": rows})
         json_path.write_text(json.dumps(entries, indent=2, default=str) + "\n")
+    return path
+
+
+def write_entry(
+    out_dir: Path,
+    name: str,
+    title: str,
+    stamp: str,
+    env: dict[str, Any],
+    notes: str,
+    rows: list[dict[str, Any]],
+) -> Path:
+    """Append one dated results table to ``out_dir/<name>.md`` (used by
+    :func:`append_results` and by ``scripts/import_gpu_results.py`` for tables
+    measured on another machine)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.md"
+    keys = ("device", "device_name", "compute_capability", "torch", "cuda", "triton", "python",
+            "git_commit")
+    env_line = ", ".join(f"{k} {env[k]}" for k in keys if env.get(k) is not None)
+    block = [f"## {title} — {stamp}", "", f"_{env_line}_", ""]
+    if notes:
+        block += [notes.strip(), ""]
+    block += [format_table(rows), "", ""]
+    header = "" if path.exists() else f"# {name}\n\nAppended by `benchmarks/bench_{name}.py`.\n\n"
+    with path.open("a") as fh:
+        fh.write(header + "\n".join(block))
     return path
 
 
