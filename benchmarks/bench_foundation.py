@@ -31,6 +31,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import (
+    Timing,
     append_results,
     format_table,
     fresh_inductor_cache,
@@ -107,7 +108,7 @@ def _measure(
     ref: torch.Tensor,
     device: torch.device,
     warmup: int,
-    iters: int,
+    runners: dict[str, Callable[[], torch.Tensor]],
 ) -> dict[str, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     fn = v.wrap(model)
@@ -123,12 +124,12 @@ def _measure(
     compile_s = time_once(run, device) if v.compiled else None
     hits, misses = (a - b for a, b in zip(_fx_cache_counts(), (hits0, misses0), strict=True))
     diff = _max_diff(run().clone(), ref)
-    timing = time_fn(run, warmup=warmup, iters=iters, device=device)
+    time_fn(run, warmup=warmup, iters=1, device=device)  # warm-up only; timed interleaved
     mem = peak_memory(run, device)
+    runners[v.name] = run
     return {
         "workload": w.name,
         "variant": v.name,
-        **timing.as_dict(),
         "compile_s": compile_s,
         "fx_cache": f"{hits} hit / {misses} miss" if v.compiled else None,
         "loom_cache": _loom_cache_counts() if v.name.startswith("loom") else None,
@@ -144,16 +145,34 @@ def run_workload(
     base, x = w.build(size, device)
     ref = step(base, [p for p in base.parameters()], x, w.train).clone()
     rows = []
+    runners: dict[str, Callable[[], torch.Tensor]] = {}
+    models = []  # keep every variant's model (and its compiled code) alive for the timing
+    torch._dynamo.reset()
     for v in variants:
-        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        models.append(model)
         with fresh_inductor_cache():
             try:
-                row = _measure(w, v, copy.deepcopy(base), x, ref, device, 3 if quick else 10, iters)
+                row = _measure(w, v, model, x, ref, device, 3 if quick else 10, runners)
             except Exception as exc:  # a failing variant is a row, not a lost run
                 row = {"workload": w.name, "variant": v.name, "error": repr(exc)[:200]}
-        print(f"  {w.name:<14} {v.name:<12} {_brief(row)}", flush=True)
         rows.append(row)
-        torch._dynamo.reset()
+    # NOTE: launch-bound steps drift with host noise over a run; timing the
+    # variants in interleaved rounds gives each the same conditions.
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    rounds = 5
+    for _ in range(rounds):
+        for name, run in runners.items():
+            samples[name] += time_fn(
+                run, warmup=2, iters=max(1, iters // rounds), device=device
+            ).times_s
+    for i, row in enumerate(rows):
+        if row["variant"] in samples:
+            head = {k: row[k] for k in ("workload", "variant")}
+            timing = Timing(tuple(samples[row["variant"]])).as_dict()
+            rows[i] = row = {**head, **timing, **{k: v for k, v in row.items() if k not in head}}
+        print(f"  {w.name:<14} {row['variant']:<12} {_brief(row)}", flush=True)
+    torch._dynamo.reset()
     ind = next((r for r in rows if r["variant"] == "inductor" and "median_ms" in r), None)
     for r in rows:
         r["step_vs_inductor"] = ratio(r.get("median_ms"), ind["median_ms"] if ind else None)
