@@ -47,8 +47,12 @@ for _folder, _dist in PACKAGES.items():
     def _unit(session: nox.Session, folder: str = _folder, dist: str = _dist) -> None:
         _sync(session, "--package", dist)
         session.run(
-            "pytest", f"packages/{folder}/tests", "-m", "not gpu and not multigpu",
-            *session.posargs, env=_pytest_env(),
+            "pytest",
+            f"packages/{folder}/tests",
+            "-m",
+            "not gpu and not multigpu",
+            *session.posargs,
+            env=_pytest_env(),
         )
 
     def _mypy(session: nox.Session, folder: str = _folder, dist: str = _dist) -> None:
@@ -64,8 +68,12 @@ def integration(session: nox.Session) -> None:
     """The backend end to end against eager, on CPU."""
     _sync(session, "--all-packages")
     session.run(
-        "pytest", "tests_integration", "-m", "not gpu and not multigpu",
-        *session.posargs, env=_pytest_env(),
+        "pytest",
+        "tests_integration",
+        "-m",
+        "not gpu and not multigpu",
+        *session.posargs,
+        env=_pytest_env(),
     )
 
 

@@ -348,8 +348,16 @@ def write_entry(
     measured on another machine)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.md"
-    keys = ("device", "device_name", "compute_capability", "torch", "cuda", "triton", "python",
-            "git_commit")
+    keys = (
+        "device",
+        "device_name",
+        "compute_capability",
+        "torch",
+        "cuda",
+        "triton",
+        "python",
+        "git_commit",
+    )
     env_line = ", ".join(f"{k} {env[k]}" for k in keys if env.get(k) is not None)
     block = [f"## {title} — {stamp}", "", f"_{env_line}_", ""]
     if notes:

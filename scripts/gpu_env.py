@@ -28,9 +28,7 @@ def write_dist_info(site: Path) -> list[str]:
         name, version = project["name"], project["version"]
         info = site / f"{name.replace('-', '_')}-{version}.dist-info"
         info.mkdir(parents=True, exist_ok=True)
-        (info / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-        )
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         groups = dict(project.get("entry-points", {}))
         if "scripts" in project:
             groups["console_scripts"] = project["scripts"]

@@ -23,7 +23,7 @@ from _harness import RESULTS_DIR, write_entry  # noqa: E402
 def main(folder: Path) -> None:
     for path in sorted(folder.glob("*.json")):
         name = path.stem
-        existing = (RESULTS_DIR / f"{name}.md")
+        existing = RESULTS_DIR / f"{name}.md"
         text = existing.read_text() if existing.exists() else ""
         for e in json.loads(path.read_text()):
             if f"## {e['title']} — {e['date']}" in text:
