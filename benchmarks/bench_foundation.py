@@ -18,8 +18,12 @@ within 1.05x of Inductor's and its compile time within 1.2x.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import copy
 import dataclasses
+import hashlib
+import os
+import pstats
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -79,6 +83,34 @@ def _loom_cache_counts() -> str | None:
     return ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds))) or "none"
 
 
+def _inductor_wrappers(cache_dir: str) -> str | None:
+    """Content hashes of the Inductor wrapper modules (those with a ``call``) loaded so far
+    in this fresh cache, the cache directory's path and the AOT id comment left out:
+    equal hashes mean two variants run the very same generated code."""
+    from torch._inductor.codecache import PyCodeCache
+
+    hashes = set()
+    for mod in PyCodeCache.modules:
+        path = getattr(mod, "__file__", None)
+        if path and callable(getattr(mod, "call", None)) and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().replace(cache_dir, "<cache>").splitlines()
+            src = "\n".join(line for line in lines if not line.startswith("# AOT ID"))
+            hashes.add(hashlib.sha256(src.encode()).hexdigest()[:8])
+    return " ".join(sorted(hashes)) or None
+
+
+def _python_calls_per_step(run: Callable[[], torch.Tensor], steps: int = 20) -> float:
+    """Python-level function calls per step (cProfile's count): the host overhead of a
+    variant, free of the timing noise a shared host adds to launch-bound steps."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        run()
+    prof.disable()
+    return pstats.Stats(prof).total_calls / steps  # type: ignore[attr-defined,no-any-return]
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
@@ -109,6 +141,7 @@ def _measure(
     device: torch.device,
     warmup: int,
     runners: dict[str, Callable[[], torch.Tensor]],
+    cache_dir: str,
 ) -> dict[str, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     fn = v.wrap(model)
@@ -126,6 +159,7 @@ def _measure(
     diff = _max_diff(run().clone(), ref)
     time_fn(run, warmup=warmup, iters=1, device=device)  # warm-up only; timed interleaved
     mem = peak_memory(run, device)
+    calls = _python_calls_per_step(run)
     runners[v.name] = run
     return {
         "workload": w.name,
@@ -135,6 +169,8 @@ def _measure(
         "loom_cache": _loom_cache_counts() if v.name.startswith("loom") else None,
         "peak_mib": None if mem is None else mem / 2**20,
         "max_abs_diff": diff,
+        "py_calls": calls,
+        "inductor_code": _inductor_wrappers(cache_dir) if v.compiled else None,
     }
 
 
@@ -151,9 +187,9 @@ def run_workload(
     for v in variants:
         model = copy.deepcopy(base)
         models.append(model)
-        with fresh_inductor_cache():
+        with fresh_inductor_cache() as cache_dir:
             try:
-                row = _measure(w, v, model, x, ref, device, 3 if quick else 10, runners)
+                row = _measure(w, v, model, x, ref, device, 3 if quick else 10, runners, cache_dir)
             except Exception as exc:  # a failing variant is a row, not a lost run
                 row = {"workload": w.name, "variant": v.name, "error": repr(exc)[:200]}
         rows.append(row)
@@ -177,6 +213,7 @@ def run_workload(
     for r in rows:
         r["step_vs_inductor"] = ratio(r.get("median_ms"), ind["median_ms"] if ind else None)
         r["compile_vs_inductor"] = ratio(r.get("compile_s"), ind["compile_s"] if ind else None)
+        r["calls_vs_inductor"] = ratio(r.get("py_calls"), ind["py_calls"] if ind else None)
     return rows
 
 
@@ -193,9 +230,18 @@ def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
         if r["variant"] != "loom":
             continue
         s, c = r.get("step_vs_inductor"), r.get("compile_vs_inductor")
+        ind = next(
+            (i for i in rows if i["workload"] == r["workload"] and i["variant"] == "inductor"),
+            {},
+        )
+        same = r.get("inductor_code") is not None and r.get("inductor_code") == ind.get(
+            "inductor_code"
+        )
         lines.append(
             f"{r['workload']}: loom step {_x(s)} of Inductor ({_verdict(s, STEP_TARGET)}), "
-            f"compile {_x(c)} ({_verdict(c, COMPILE_TARGET)})"
+            f"compile {_x(c)} ({_verdict(c, COMPILE_TARGET)}); "
+            f"Python calls per step {_x(r.get('calls_vs_inductor'))}; "
+            f"{'the same' if same else 'different'} Inductor wrapper code"
         )
     return lines
 
