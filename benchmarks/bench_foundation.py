@@ -18,8 +18,8 @@ within 1.05x of Inductor's and its compile time within 1.2x.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import copy
+import cProfile
 import dataclasses
 import hashlib
 import os
