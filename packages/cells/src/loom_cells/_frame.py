@@ -94,6 +94,10 @@ class FrameCells:
         """``STORE_DEREF name``."""
         self.model.store(self.cell(name), value)
 
+    def stage(self, name: str, value: object) -> None:
+        """``STORE_DEREF name`` of a tracer value recorded later (see :meth:`CellModel.stage`)."""
+        self.model.stage(self.cell(name), value)
+
     def delete(self, name: str) -> None:
         """``DELETE_DEREF name``."""
         self.model.delete(self.cell(name))

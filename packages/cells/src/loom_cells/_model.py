@@ -8,6 +8,12 @@ objects of the side-effect log: their reads and writes are symbolic and cost
 nothing unless they escape (captured by a function that escapes). Reads of a
 pre-existing cell's original contents become guards; writes become side effects
 replayed through ``cell.cell_contents = value``.
+
+A tracer whose symbolic values become recorded values only when its trace ends
+(the hook tracer: tensors get graph outputs, new containers their final
+contents) *stages* its writes: the staged value is the cell's current contents
+for every later read, and the tracer records the write with :meth:`CellModel.store`
+when it records its other side effects, in program order.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class CellCheckpoint:
 
     side_effects: Checkpoint
     guards: tuple[Guard, ...]
+    staged: tuple[tuple[Ref, object], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,6 +100,8 @@ class CellModel:
         self.guard_policy = guard_policy or default_guard_policy
         self._cells: dict[Ref, Cell] = {}
         self._guards: dict[Guard, None] = {}
+        # NOTE: staged contents are the caller's own symbolic values, not recorded values.
+        self._staged: dict[Ref, object] = {}
 
     # ----------------------------------------------------------------- cells
     def existing(self, cell: types.CellType, source: Source | None, name: str = "") -> Cell:
@@ -145,8 +154,11 @@ class CellModel:
         or the constant itself), and the read is guarded per the guard policy.
         With ``guard=False`` the tracer defers the guard (e.g. an int that is
         only used in replayed arithmetic) and calls :meth:`guard_read` if it
-        later specializes on the value.
+        later specializes on the value. A staged value (see :meth:`stage`) is
+        returned as it was staged, with no guard.
         """
+        if cell.ref in self._staged:
+            return self._staged[cell.ref]
         value = self.side_effects.load_cell(cell.ref)
         if value is Missing.ABSENT:
             self._refuse(
@@ -164,19 +176,36 @@ class CellModel:
         Returns the guard, or None when none is needed: a new cell, a cell the
         trace already wrote (its value is symbolic), or a policy that says so.
         """
-        if cell.is_new or self.side_effects.is_mutated(cell.ref):
+        if cell.is_new or cell.ref in self._staged or self.side_effects.is_mutated(cell.ref):
             return None
         return self._guard_original(cell, kind)
 
+    def stage(self, cell: Cell, value: object) -> None:
+        """``STORE_DEREF`` of a symbolic value the tracer records later.
+
+        ``value`` is the tracer's own symbolic value: later reads of the cell
+        (through any function sharing it) return it, unguarded. Nothing is
+        recorded in the log: for a pre-existing cell the tracer calls
+        :meth:`store` with the recorded value when it records its side effects
+        (in program order); a new cell needs it only if the cell escapes.
+        """
+        self._require_source(cell, "write to")
+        self._staged[cell.ref] = value
+
     def store(self, cell: Cell, value: Value) -> None:
-        """``STORE_DEREF``: symbolic for a new cell, a replayed side effect for a pre-existing one."""
+        """``STORE_DEREF``: symbolic for a new cell, a replayed side effect for a pre-existing one.
+
+        ``value`` is a recorded value; it replaces any staged one.
+        """
         self._require_source(cell, "write to")
         self.side_effects.store_cell(cell.ref, value)
+        self._staged.pop(cell.ref, None)
 
     def delete(self, cell: Cell) -> None:
         """``DELETE_DEREF``."""
         self._require_source(cell, "delete from")
         self.side_effects.del_cell(cell.ref)
+        self._staged.pop(cell.ref, None)
 
     def new_function(
         self,
@@ -203,7 +232,9 @@ class CellModel:
 
     def checkpoint(self) -> CellCheckpoint:
         """Snapshot the cells, guards and the underlying side-effect log."""
-        return CellCheckpoint(self.side_effects.checkpoint(), tuple(self._guards))
+        return CellCheckpoint(
+            self.side_effects.checkpoint(), tuple(self._guards), tuple(self._staged.items())
+        )
 
     def rollback(self, cp: CellCheckpoint) -> None:
         """Forget the cells, guards and side effects recorded since ``cp``."""
@@ -211,6 +242,7 @@ class CellModel:
         limit = cp.side_effects.num_entries
         self._cells = {ref: cell for ref, cell in self._cells.items() if ref.index < limit}
         self._guards = dict.fromkeys(cp.guards)
+        self._staged = dict(cp.staged)
 
     def guards(self) -> tuple[Guard, ...]:
         """Guards on the pre-existing cell contents the trace read, in first-read order."""

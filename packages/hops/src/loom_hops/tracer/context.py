@@ -6,6 +6,8 @@ and the functions it inlines). It turns pre-existing objects into ``Value``s
 guards that make the model valid), records tensor work on fake tensors into a
 torch-level FX graph (``call_torch``), buffers side effects in program order,
 and at the end converts everything into graph outputs and a ``ReplayPlan``.
+Every closure cell, pre-existing or made while tracing, is modelled by one
+``loom_cells.CellModel`` (``cells``) on the trace's side-effect log.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from loom_cells import CellModel, CellRefused
+from loom_cells import Cell, CellModel, CellRefusal, CellRefused
 from loom_sidefx import (
     AttrSource,
     CellContentsSource,
@@ -40,9 +42,8 @@ from loom_sidefx import (
 from . import _torch_compat
 from .effects import PendingEffect, PlanRecorder
 from .predicates import EqualTo, TensorMeta
-from .refusal import TraceRefusal, refuse
+from .refusal import Refused, TraceRefusal, refuse
 from .values import (
-    CellV,
     ConstV,
     DictV,
     FunctionV,
@@ -124,13 +125,62 @@ def global_source(namespace: dict[str, Any], name: str) -> ItemSource:
     return ItemSource(globals_source(namespace), name)
 
 
-def cell_object_source(cell: types.CellType, label: str) -> ObjectSource:
-    """A pre-existing closure cell held by identity."""
-    return ObjectSource(cell, f"cell:{label}")
+def function_source(fn: types.FunctionType) -> ObjectSource:
+    """A function reached by no source (a method found on a class, say), held by identity."""
+    return ObjectSource(fn, f"function {fn.__module__}.{fn.__qualname__}")
 
 
 # Immutable singletons guarded by identity.
 _SINGLETON_TYPES = (torch.dtype, torch.layout, torch.memory_format, type(Ellipsis))
+
+
+def cell_guard_policy(value: object) -> GuardKind | None:
+    """How ``loom_cells`` guards a read of a pre-existing cell's contents.
+
+    The guard that ``TraceContext.wrap`` puts on the value it models: none for
+    tensors (a metadata guard, as a graph input) and numbers (guarded only if
+    the trace specializes on them), the type of containers and objects (their
+    contents are guarded as they are read), the value of constants and the
+    identity of functions, modules and types.
+    """
+    if isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return None
+    if isinstance(value, _SINGLETON_TYPES):
+        return GuardKind.IDENTITY
+    if is_const(value):
+        return GuardKind.EQUALS if is_constant(value) else None
+    if isinstance(value, (tuple, list, dict, set)):
+        return GuardKind.TYPE
+    if isinstance(value, torch.nn.Module):
+        return None  # refused by wrap
+    if isinstance(
+        value,
+        (
+            types.FunctionType,
+            types.ModuleType,
+            type,
+            types.BuiltinFunctionType,
+            types.MethodDescriptorType,
+        ),
+    ) or (callable(value) and type(value).__module__.startswith("torch")):
+        return GuardKind.IDENTITY
+    return GuardKind.TYPE
+
+
+def cell_refusal(exc: CellRefused) -> Refused:
+    """The tracer's refusal for a refusal of the cell model."""
+    u = exc.reason
+    if u.kind is CellRefusal.EMPTY_CELL:
+        kind = TraceRefusal.HOOK_RAISES
+    elif u.kind is CellRefusal.NO_SOURCE:
+        kind = TraceRefusal.UNSUPPORTED_SIDE_EFFECT
+    else:
+        kind = TraceRefusal.TRACER_ERROR
+    refused = refuse(kind, u.explanation, u.hint)
+    refused.where = u.where or None
+    return refused
 
 
 class TraceContext:
@@ -150,10 +200,10 @@ class TraceContext:
         self.codes: list[types.CodeType] = []
         self.opaque_calls: list[str] = []
         self.where = "<hook>"
-        # The side-effect log and the cell model: pre-existing cells are read
-        # through them while tracing; effects are recorded when the trace ends.
+        # The side-effect log and the cell model: every cell is modelled by
+        # `cells` while tracing; other effects are recorded when the trace ends.
         self.side_effects = SideEffects()
-        self.cells = CellModel(self.side_effects)
+        self.cells = CellModel(self.side_effects, guard_policy=cell_guard_policy)
 
     # ------------------------------------------------------------------ guards
     def guard(self, source: Source | None, kind: GuardKind, expected: Any) -> None:
@@ -295,10 +345,8 @@ class TraceContext:
         )
 
     def function_value(self, fn: types.FunctionType, source: Source | None) -> FunctionV:
-        cells = tuple(
-            self.cell_value(cell, f"{fn.__qualname__}.{name}")
-            for cell, name in zip(fn.__closure__ or (), fn.__code__.co_freevars, strict=True)
-        )
+        self.side_effects.where = self.where
+        cells = self.cells.closure_of(fn, source or function_source(fn))
         # Defaults are wrapped (and guarded) only when a call uses them: see default_value.
         return FunctionV(fn.__code__, fn.__globals__, fn.__name__, cells, (), {}, fn, source)
 
@@ -310,14 +358,6 @@ class TraceContext:
         raw = getattr(fn.fn, name)[key]
         base = AttrSource(fn.source, name) if fn.source is not None else None
         return self.wrap(raw, ItemSource(base, key) if base is not None else None)
-
-    def cell_value(self, cell: types.CellType, label: str) -> CellV:
-        known = self.known.get(id(cell))
-        if isinstance(known, CellV):
-            return known
-        v = CellV(label, cell, source=CellContentsSource(cell_object_source(cell, label)))
-        self.remember(cell, v)
-        return v
 
     def tensor_input(self, t: torch.Tensor, source: Source | None) -> TensorV:
         if source is None:
@@ -435,46 +475,34 @@ class TraceContext:
             return  # a new object: its final state is rebuilt, not replayed
         self.effects.append(PendingEffect(op, target, key, value, self.where))
 
-    def store_cell(self, cell: CellV, value: Value) -> None:
-        cell.contents, cell.loaded = value, True
-        if cell.cell is not None:
+    def store_cell(self, cell: Cell, value: Value) -> None:
+        """``STORE_DEREF``: the model holds ``value``; a pre-existing cell's write is replayed."""
+        self.side_effects.where = self.where
+        try:
+            self.cells.stage(cell, value)
+        except CellRefused as exc:
+            raise cell_refusal(exc) from None
+        if not cell.is_new:
             self.effects.append(
-                PendingEffect(
-                    OpKind.STORE_CELL,
-                    None,
-                    None,
-                    value,
-                    self.where,
-                    root=cell.cell,
-                    root_source=cell_object_source(cell.cell, cell.label),
-                    name=cell.label,
-                )
+                PendingEffect(OpKind.STORE_CELL, None, None, value, self.where, cell=cell)
             )
 
-    def load_cell(self, cell: CellV) -> Value:
-        if not cell.loaded:
-            assert cell.cell is not None
-            self.side_effects.where = self.where
-            model = self.cells.existing(
-                cell.cell, cell_object_source(cell.cell, cell.label), cell.label
-            )
-            try:
-                # Guards come from wrap, per value (a number read lazily needs none).
-                original = self.cells.load(model, guard=False)
-            except CellRefused:
-                raise refuse(
-                    TraceRefusal.HOOK_RAISES, f"free variable {cell.label!r} is not bound yet"
-                ) from None
-            if isinstance(original, Ref):
-                contents = self.side_effects.live_object(original)
-            else:
-                contents = concrete(original)
-            cell.contents, cell.loaded = self.wrap(contents, cell.source), True
-        if cell.contents is None:
-            raise refuse(
-                TraceRefusal.HOOK_RAISES, f"local {cell.label!r} referenced before assignment"
-            )
-        return cell.contents
+    def load_cell(self, cell: Cell) -> Value:
+        """``LOAD_DEREF``: what the trace stored, or the pre-existing contents (guarded by the model)."""
+        self.side_effects.where = self.where
+        try:
+            value = self.cells.load(cell)
+        except CellRefused as exc:
+            raise cell_refusal(exc) from None
+        if isinstance(value, Value):
+            return value
+        source = self.side_effects.source_of(cell.ref)
+        contents_source = CellContentsSource(source) if source is not None else None
+        if isinstance(value, Original):
+            return self.wrap(value.obj, value.source or contents_source)
+        if isinstance(value, Ref):
+            return self.wrap(self.side_effects.live_object(value), contents_source)
+        return self.wrap(concrete(value), contents_source)
 
     def load_global(self, namespace: dict[str, Any], name: str) -> Value:
         key = (id(namespace), name)

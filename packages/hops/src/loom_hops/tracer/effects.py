@@ -8,20 +8,20 @@ first, because the return value is recorded first), containers the hook
 created with their final contents (``SideEffects.track_new``; tuples as plain
 tuples). Buffered effects are then replayed into the log in program order
 (``SideEffects.list_append``, ``dict_setitem``, ...; writes to pre-existing
-closure cells through ``loom_cells.CellModel.store``), and ``SideEffects.build``
+closure cells, which ``loom_cells.CellModel`` held as staged tracer values
+while tracing, through ``CellModel.store``), and ``SideEffects.build``
 makes the ``ReplayPlan``. Anything that cannot be rebuilt after the graph
 (functions or objects created in the hook, symbolic sizes) is refused here.
 """
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.fx
 
-from loom_cells import CellRefused
+from loom_cells import Cell, CellRefused
 from loom_sidefx import (
     ObjectSource,
     ObjKind,
@@ -39,7 +39,6 @@ from loom_sidefx import Value as Recorded
 from .predicates import stable_repr
 from .refusal import Refused, TraceRefusal, refuse
 from .values import (
-    CellV,
     ConstV,
     DictV,
     FunctionV,
@@ -61,9 +60,10 @@ if TYPE_CHECKING:
 class PendingEffect:
     """One mutation seen while tracing, recorded into the log when the trace ends.
 
-    ``op`` is the ``loom_sidefx`` operation; a cell store (``STORE_CELL``) or a
-    global store (``DICT_SETITEM`` / ``DICT_DELITEM`` on the globals dict) names
-    its pre-existing ``root`` object and its ``root_source`` instead of a target.
+    ``op`` is the ``loom_sidefx`` operation; a store to a pre-existing cell
+    (``STORE_CELL``) names its ``loom_cells`` ``cell``, and a global store
+    (``DICT_SETITEM`` / ``DICT_DELITEM`` on the globals dict) its pre-existing
+    ``root`` object and ``root_source``, instead of a target.
     """
 
     op: OpKind
@@ -74,6 +74,7 @@ class PendingEffect:
     root: object = None
     root_source: Source | None = None
     name: str = ""
+    cell: Cell | None = None
 
 
 def constant_value(value: object) -> Recorded:
@@ -106,7 +107,7 @@ class PlanRecorder:
             )
         if isinstance(v, ConstV):
             return constant_value(v.value)
-        if v.source is not None and not isinstance(v, CellV):
+        if v.source is not None:
             return Original(v.source, _live(v))
         if isinstance(v, TensorV):
             if v.node not in self.slot_of:
@@ -123,9 +124,14 @@ class PlanRecorder:
         if isinstance(v, (ListV, DictV, SetV)):
             return self._new(v)
         if isinstance(v, FunctionV):
+            new_cells = [c.name for c in v.closure if c.is_new]
+            captured = (
+                f", with the cells it closes over ({', '.join(new_cells)})" if new_cells else ""
+            )
             raise refuse(
                 TraceRefusal.ESCAPING_FUNCTION,
-                f"function {v.name!r} created inside the hook escapes it (returned or stored)",
+                f"function {v.name!r} created inside the hook escapes it (returned or stored)"
+                f"{captured}",
                 "define the function at module level or outside the hook",
             )
         raise refuse(
@@ -175,9 +181,8 @@ class PlanRecorder:
         se = self.se
         se.where = e.where
         if e.op is OpKind.STORE_CELL:
-            assert e.value is not None and isinstance(e.root, types.CellType)
-            cell = self.cells.existing(e.root, e.root_source, e.name)
-            self.cells.store(cell, self.value(e.value))
+            assert e.value is not None and e.cell is not None
+            self.cells.store(e.cell, self.value(e.value))
             return
         if e.root is not None:  # a globals dict
             ns = se.track_existing(e.root, e.root_source)

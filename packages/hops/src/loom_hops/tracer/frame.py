@@ -1,8 +1,9 @@
 """Frames and the opcode-handler registry: the symbolic stack machine.
 
 A ``Frame`` interprets one code object over ``Value``s: an instruction list
-from ``dis``, a value stack, fast locals, cells by name, and the globals of
-the function. Handlers register with ``@handles("OPNAME")``; registration
+from ``dis``, a value stack, fast locals, its cells by name (a
+``loom_cells.FrameCells``: free variables bound to the function's closure,
+cell variables made by ``MAKE_CELL``), and the globals of the function. Handlers register with ``@handles("OPNAME")``; registration
 checks that the opcode exists in this Python and is not registered twice,
 and an opcode without a handler refuses the hook with its file:line.
 """
@@ -15,11 +16,12 @@ import os
 import types
 from collections.abc import Callable
 
+from loom_cells import CellRefused, FrameCells
 from loom_sidefx import ObjectSource
 
-from .context import TraceContext
+from .context import TraceContext, cell_refusal
 from .refusal import Refused, TraceRefusal, refuse
-from .values import CellV, DictV, FunctionV, IteratorV, TupleV, Value
+from .values import DictV, FunctionV, IteratorV, TupleV, Value
 
 Handler = Callable[["Frame", dis.Instruction], None]
 HANDLERS: dict[str, Handler] = {}
@@ -56,24 +58,18 @@ class Frame:
         self.instructions = list(dis.get_instructions(self.code))
         self.index_of = {inst.offset: i for i, inst in enumerate(self.instructions)}
         self.stack: list[Value] = []
-        self.locals: dict[str, Value] = {}
-        self.cells: dict[str, CellV] = {}
+        self.locals: dict[str, Value] = dict(bound)
         self.kw_names: tuple[str, ...] = ()
         self.ip = 0
         self.result: Value | None = None
         self.yields: list[Value] | None = None
         self.lineno = self.code.co_firstlineno
         self.filename = os.path.basename(self.code.co_filename)
-        for name in self.code.co_cellvars:
-            cell = CellV(f"{self.code.co_name}.{name}")
-            if name in bound:
-                cell.contents, cell.loaded = bound.pop(name), True
-            else:
-                cell.loaded = True
-            self.cells[name] = cell
-        for name, cell in zip(self.code.co_freevars, fn.closure, strict=True):
-            self.cells[name] = cell
-        self.locals.update(bound)
+        # NOTE: cell variables are made by the MAKE_CELL handler, as CPython does.
+        try:
+            self.cells = FrameCells(ctx.cells, self.code, fn.closure)
+        except CellRefused as exc:
+            raise cell_refusal(exc) from None
         ctx.codes.append(self.code)
 
     @property
@@ -115,6 +111,10 @@ class Frame:
                         "rewrite this line with simpler Python (see docs/tracer.md for the supported subset)",
                     )
                 handler(self, inst)
+        except CellRefused as exc:
+            refused = cell_refusal(exc)
+            refused.where = self.where
+            raise refused from None
         except Refused as exc:
             if exc.where is None:
                 exc.where = self.where
@@ -202,5 +202,8 @@ def inline_call(
 
 
 def make_root_function(fn: types.FunctionType, ctx: TraceContext) -> FunctionV:
-    """The hook itself, with its closure cells and defaults modelled as pre-existing state."""
-    return ctx.function_value(fn, ObjectSource(fn, f"hook {fn.__module__}.{fn.__qualname__}"))
+    """The hook itself, with its closure cells (sourced ``closure[i:name]``) and defaults
+    modelled as pre-existing state."""
+    source = ObjectSource(fn, f"hook {fn.__module__}.{fn.__qualname__}")
+    closure = ctx.cells.hook_closure(fn)
+    return FunctionV(fn.__code__, fn.__globals__, fn.__name__, closure, (), {}, fn, source)

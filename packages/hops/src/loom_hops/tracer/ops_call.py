@@ -5,10 +5,12 @@ from __future__ import annotations
 import dis
 import types
 
+from loom_cells import Cell
+
 from .calls import call_value
 from .frame import Frame, handles
 from .refusal import TraceRefusal, refuse
-from .values import NULL, CellV, ConstV, DictV, FunctionV, SuperV, TupleV, Value
+from .values import NULL, CellRefV, ConstV, DictV, FunctionV, SuperV, TupleV, Value
 
 _MAKE_FUNCTION_DEFAULTS = 0x01
 _MAKE_FUNCTION_KWDEFAULTS = 0x02
@@ -64,10 +66,9 @@ def _dispatch(frame: Frame, fn: Value, args: list[Value], kwargs: dict[str, Valu
 
 
 def _zero_arg_super(frame: Frame) -> Value:
-    cell = frame.cells.get("__class__")
-    if cell is None or frame.code.co_argcount == 0:
+    if "__class__" not in frame.cells.names() or frame.code.co_argcount == 0:
         raise refuse(TraceRefusal.UNSUPPORTED_CALL, "super() outside a method")
-    cls_v = frame.ctx.load_cell(cell)
+    cls_v = frame.ctx.load_cell(frame.cells.cell("__class__"))
     self_v = frame.locals.get(frame.code.co_varnames[0])
     if not isinstance(cls_v, ConstV) or not isinstance(cls_v.value, type) or self_v is None:
         raise refuse(TraceRefusal.UNSUPPORTED_CALL, "super() with an unknown class")
@@ -79,13 +80,13 @@ def _make_function(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
     code = frame.ctx.specialize(frame.pop())
     assert isinstance(code, types.CodeType)
-    closure: tuple[CellV, ...] = ()
+    closure: tuple[Cell, ...] = ()
     defaults: tuple[Value, ...] = ()
     kwdefaults: dict[str, Value] = {}
     if inst.arg & _MAKE_FUNCTION_CLOSURE:
         cells = frame.pop()
         assert isinstance(cells, TupleV)
-        closure = tuple(c for c in cells.items if isinstance(c, CellV))
+        closure = tuple(c.cell for c in cells.items if isinstance(c, CellRefV))
     if inst.arg & _MAKE_FUNCTION_ANNOTATIONS:
         frame.pop()
     if inst.arg & _MAKE_FUNCTION_KWDEFAULTS:

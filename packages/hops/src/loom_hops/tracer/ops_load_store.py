@@ -8,16 +8,25 @@ from .._pyversion import LOAD_ATTR_HAS_METHOD_BIT, PY311, PY312
 from .attributes import del_attr, get_attr, set_attr
 from .frame import Frame, handles
 from .refusal import TraceRefusal, refuse
-from .values import NULL, ConstV, SuperV, Value
+from .values import NULL, CellRefV, ConstV, SuperV, Value
 
 
 def _const(value: object) -> Value:
     return ConstV(value)
 
 
-@handles("NOP", "RESUME", "EXTENDED_ARG", "MAKE_CELL", "COPY_FREE_VARS", "CACHE")
+@handles("NOP", "RESUME", "EXTENDED_ARG", "COPY_FREE_VARS", "CACHE")
 def _nop(frame: Frame, inst: dis.Instruction) -> None:
-    """Cells are set up when the frame is created; these only matter to CPython."""
+    """Free variables are bound when the frame is created; these only matter to CPython."""
+
+
+@handles("MAKE_CELL")
+def _make_cell(frame: Frame, inst: dis.Instruction) -> None:
+    """A new cell for a cell variable, holding the local's value (an argument) if it has one."""
+    cell = frame.cells.make_cell(inst.argval)
+    value = frame.locals.pop(inst.argval, None)
+    if value is not None:
+        frame.ctx.store_cell(cell, value)
 
 
 @handles("PRECALL", when=PY311)
@@ -48,16 +57,26 @@ def _load_fast(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("LOAD_FAST_AND_CLEAR", when=PY312)
 def _load_fast_and_clear(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(frame.locals.pop(inst.argval, NULL))
+    name = inst.argval
+    if name in frame.code.co_cellvars:
+        # NOTE: 3.12 inlined comprehension with its own cell `name`: save the outer cell.
+        saved = frame.cells.rebind(name, None)
+        frame.push(CellRefV(saved) if saved is not None else NULL)
+        return
+    frame.push(frame.locals.pop(name, NULL))
 
 
 @handles("STORE_FAST")
 def _store_fast(frame: Frame, inst: dis.Instruction) -> None:
+    name = inst.argval
     value = frame.pop()
-    if value is NULL:
-        frame.locals.pop(inst.argval, None)
+    if name in frame.code.co_cellvars and (value is NULL or isinstance(value, CellRefV)):
+        # 3.12: the end of an inlined comprehension restores the outer cell (or none).
+        frame.cells.rebind(name, value.cell if isinstance(value, CellRefV) else None)
+    elif value is NULL:
+        frame.locals.pop(name, None)
     else:
-        frame.locals[inst.argval] = value
+        frame.locals[name] = value
 
 
 @handles("DELETE_FAST")
@@ -86,12 +105,12 @@ def _delete_global(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("LOAD_DEREF")
 def _load_deref(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(frame.ctx.load_cell(frame.cells[inst.argval]))
+    frame.push(frame.ctx.load_cell(frame.cells.cell(inst.argval)))
 
 
 @handles("STORE_DEREF")
 def _store_deref(frame: Frame, inst: dis.Instruction) -> None:
-    frame.ctx.store_cell(frame.cells[inst.argval], frame.pop())
+    frame.ctx.store_cell(frame.cells.cell(inst.argval), frame.pop())
 
 
 @handles("DELETE_DEREF")
@@ -101,7 +120,7 @@ def _delete_deref(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("LOAD_CLOSURE")
 def _load_closure(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(frame.cells[inst.argval])
+    frame.push(CellRefV(frame.cells.cell(inst.argval)))
 
 
 @handles("LOAD_ATTR")

@@ -3,9 +3,11 @@
 Each Python object a hook touches is modelled by one ``Value``: constants
 (immutable objects, callables, types, modules), numbers read from pre-existing
 state that stay symbolic until used (``LazyNum``), tensors (an FX node plus a
-fake tensor), containers, user objects, functions, cells and iterators. A
+fake tensor), containers, user objects, functions and iterators. A
 pre-existing object has exactly one ``Value`` (keyed by identity in the
 tracer) and a ``source``; objects created while tracing have no source.
+Closure cells are not values: ``loom_cells`` models them (``FunctionV.closure``
+and ``CellRefV`` hold its ``Cell`` handles).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from loom_cells import Cell
 from loom_sidefx import Source
 from loom_sidefx import Value as Recorded
 
@@ -171,14 +174,10 @@ class SetV(ObjectV):
 
 
 @dataclass(eq=False)
-class CellV(Value):
-    """A closure cell: pre-existing (``cell`` set, found by identity) or created while tracing."""
+class CellRefV(Value):
+    """A closure cell pushed by ``LOAD_CLOSURE`` (for ``MAKE_FUNCTION``): the model's handle."""
 
-    label: str
-    cell: types.CellType | None = None
-    contents: Value | None = None
-    loaded: bool = False
-    source: Source | None = None
+    cell: Cell
 
     @property
     def py_type(self) -> type:
@@ -192,7 +191,7 @@ class FunctionV(Value):
     code: types.CodeType
     globals: dict[str, Any]
     name: str
-    closure: tuple[CellV, ...] = ()
+    closure: tuple[Cell, ...] = ()
     defaults: tuple[Value, ...] = ()
     kwdefaults: dict[str, Value] = field(default_factory=dict)
     fn: types.FunctionType | None = None
