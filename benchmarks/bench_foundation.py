@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import os
 import pstats
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +49,7 @@ from _harness import (
 from workloads import Workload, size_for, step, workloads
 
 STEP_TARGET = 1.05
+ROUNDS = 10
 COMPILE_TARGET = 1.2
 
 
@@ -195,13 +197,16 @@ def run_workload(
         rows.append(row)
     # NOTE: launch-bound steps drift with host noise over a run; timing the
     # variants in interleaved rounds gives each the same conditions.
+    # The ratio to Inductor is the median of per-round ratios, so a burst of
+    # host noise that hits one round moves one sample, not the verdict.
     samples: dict[str, list[float]] = {name: [] for name in runners}
-    rounds = 5
+    round_medians: dict[str, list[float]] = {name: [] for name in runners}
+    rounds = ROUNDS
     for _ in range(rounds):
         for name, run in runners.items():
-            samples[name] += time_fn(
-                run, warmup=2, iters=max(1, iters // rounds), device=device
-            ).times_s
+            times = time_fn(run, warmup=2, iters=max(1, iters // rounds), device=device).times_s
+            samples[name] += times
+            round_medians[name].append(statistics.median(times))
     for i, row in enumerate(rows):
         if row["variant"] in samples:
             head = {k: row[k] for k in ("workload", "variant")}
@@ -211,7 +216,12 @@ def run_workload(
     torch._dynamo.reset()
     ind = next((r for r in rows if r["variant"] == "inductor" and "median_ms" in r), None)
     for r in rows:
-        r["step_vs_inductor"] = ratio(r.get("median_ms"), ind["median_ms"] if ind else None)
+        own, ind_rounds = round_medians.get(r["variant"]), round_medians.get("inductor")
+        r["step_vs_inductor"] = (
+            statistics.median(a / b for a, b in zip(own, ind_rounds, strict=True))
+            if own and ind_rounds
+            else None
+        )
         r["compile_vs_inductor"] = ratio(r.get("compile_s"), ind["compile_s"] if ind else None)
         r["calls_vs_inductor"] = ratio(r.get("py_calls"), ind["py_calls"] if ind else None)
     return rows
@@ -306,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
             "runs with a fresh, empty TORCHINDUCTOR_CACHE_DIR and a reset Dynamo; "
             "`fx_cache` counts Inductor FX-graph-cache lookups during it, `loom_cache` loom's "
             "own cache lookups; both caches start empty). "
-            f"Ratios are to Inductor.{' Quick run.' if args.quick else ''}\n\n"
+            f"Ratios are to Inductor; the step ratio is the median of {ROUNDS} interleaved "
+            "rounds' ratios, `py_calls` the Python function calls per step (cProfile), "
+            f"`inductor_code` a content hash of the Inductor wrapper modules the variant runs.{' Quick run.' if args.quick else ''}\n\n"
             + "\n".join(f"- {line}" for line in verdicts)
         )
         path = append_results(
