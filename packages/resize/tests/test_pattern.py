@@ -98,3 +98,27 @@ def test_input_freed_in_the_graph_ends_with_zero_storage() -> None:
     out = torch.compile(use_and_free, backend=recorder.backend(), fullgraph=True)(x)
     torch.testing.assert_close(out, expected)
     assert param.untyped_storage().nbytes() == 0
+
+
+def test_reduce_grads_moves_each_gradient_into_its_shard_and_drops_it() -> None:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    plain = FSDPPatternStack(3, 16, fill="copy")
+    reducing = FSDPPatternStack(3, 16, fill="copy", reduce_grads=True)
+    seen: list[list[bool]] = []
+    for i, w in enumerate(reducing.weights):
+        # registered first, so it runs before the reducing hook: every later
+        # layer's gradient is already reduced and dropped
+        w.register_post_accumulate_grad_hook(
+            lambda p, i=i: seen.append([q.grad is not None for q in reducing.weights])
+        )
+    for model in (plain, reducing):
+        for _ in range(2):
+            out = model(x)
+            model.prepare_backward(out)
+            out.sum().backward()
+    assert seen[:3] == [[False, False, True], [False, True, False], [True, False, False]]
+    for i, w in enumerate(reducing.weights):
+        assert w.grad is None
+        assert plain.weights[i].grad is not None
+        torch.testing.assert_close(reducing.grad_shard(i), plain.weights[i].grad)
+    assert reducing.storage_nbytes() == [0, 0, 0]
