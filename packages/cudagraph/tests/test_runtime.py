@@ -365,3 +365,62 @@ def test_pool_retires_a_later_recording_whose_outputs_are_held() -> None:
     assert pool.blocked(older)  # captured before it: could
     counts[2] = 1  # released: the orphan is dropped
     assert not pool.blocked(older) and pool.orphans == []
+
+
+def test_several_mutated_user_inputs_are_copied_in_and_back_together() -> None:
+    def f(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        x.add_(z)
+        y.mul_(2)
+        return x * y + z
+
+    run, cap = compile_host(f, torch.randn(3), torch.randn(3), torch.randn(3))
+    for _ in range(5):
+        x, y, z = torch.randn(3), torch.randn(3), torch.randn(3)
+        x_eager, y_eager = x.clone(), y.clone()
+        want = f(x_eager, y_eager, z)
+        (out,) = call(run, x, y, z)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(x, x_eager)
+        torch.testing.assert_close(y, y_eager)
+    rec = run._steps[0][0]._hot  # type: ignore[attr-defined]
+    assert rec.copy_idx == [0, 1, 2] and rec.copyback_idx == [0, 1]
+    assert cap.replays == 4
+
+
+class _FailsOnSecondCapture(HostCapturer):
+    def capture(self, fn: Any, inputs: list[Any], pool: Any) -> tuple[Any, list[Any]]:
+        if self.captures:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().capture(fn, inputs, pool)
+
+
+def test_failed_re_recording_turns_the_segment_off_for_every_address() -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    w1, w2 = torch.randn(3), torch.randn(3)
+    run, cap = compile_host(f, torch.randn(3), w1, static=(1,), capturer=_FailsOnSecondCapture())
+    for w in (w1, w1, w1, w2, w1, w1):  # warm-up, record, replay, re-record fails, then w1
+        x = torch.randn(3)
+        torch.testing.assert_close(call(run, x, w)[0], f(x, w))
+    (seg,) = run.stats().segments
+    assert not seg.captured and seg.reasons[0].kind is SkipReason.CAPTURE_FAILED
+    # the first recording is not replayed once the segment is off
+    assert cap.replays == 2 and seg.uncaptured_calls == 4
+
+
+def test_record_calls_gives_the_runtime_and_the_inputs_its_caller_passed() -> None:
+    w = torch.randn(3)
+    run, cap = compile_host(lambda x, w: x * w + 1, torch.randn(3), w, static=(1,))
+    x = torch.randn(3)
+    call(run, x, w)  # warm-up
+    with CudagraphRuntime.record_calls() as calls:
+        call(run, x, w)
+    call(run, x, w)  # not recorded
+    (rec,) = calls
+    assert rec.runtime is run and rec.graph == "t"
+    assert rec.inputs[0] is x and rec.inputs[1] is w
+    replays = cap.replays
+    (out,) = rec.runtime(list(rec.inputs))
+    torch.testing.assert_close(out, x * w + 1)
+    assert cap.replays == replays + 1

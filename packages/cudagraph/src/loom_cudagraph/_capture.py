@@ -1,7 +1,10 @@
 """How a segment is captured and replayed: on a CUDA device, or simulated on the host.
 
 A :class:`Capturer` turns ``fn(static_inputs)`` into a graph handle and its
-static outputs, replays the handle, and makes memory pools.
+static outputs, replays the handle, and makes memory pools. A capturer may
+also offer ``replayer(graph)``, a zero-argument callable bound once per
+recording (``graph.replay`` itself on CUDA), which the per-call path calls
+instead of ``replay(graph)``.
 :class:`CudaCapturer` uses ``torch.cuda.CUDAGraph`` with private pools and a
 side stream; the default CUDA generator is registered by the graph itself, so
 each replay advances the Philox offset and draws fresh random numbers.
@@ -69,6 +72,11 @@ class CudaCapturer:
 
     def replay(self, graph: Any) -> None:
         graph.replay()
+
+    def replayer(self, graph: Any) -> Callable[[], object]:
+        """``graph.replay`` itself: no Python frame between the runtime and the launch."""
+        replay: Callable[[], object] = graph.replay
+        return replay
 
     def reserved(self) -> int:
         # NOTE: torch.cuda.graph empties the cache before capturing; do it here

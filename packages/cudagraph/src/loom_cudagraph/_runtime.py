@@ -10,9 +10,11 @@ as eager frees them). A graph with nothing to capture is compiled whole.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.fx
@@ -27,6 +29,7 @@ from loom_cudagraph._split import split_by_plan
 __all__ = [
     "CompileSegment",
     "CudagraphRuntime",
+    "RuntimeCall",
     "RuntimeStats",
     "assemble_runtime",
     "build_runtime",
@@ -87,8 +90,19 @@ class RuntimeStats:
         return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RuntimeCall:
+    """One call of a runtime, as its caller made it (see :meth:`CudagraphRuntime.record_calls`)."""
+
+    graph: str
+    runtime: BoxedFn
+    inputs: tuple[Any, ...]
+
+
 class CudagraphRuntime:
     """A boxed callable running one planned graph; see :func:`build_runtime`."""
+
+    _live: ClassVar[weakref.WeakSet[CudagraphRuntime]] = weakref.WeakSet()
 
     def __init__(
         self,
@@ -106,6 +120,8 @@ class CudagraphRuntime:
         self._outputs = outputs
         self._pad = [None] * (n_slots - len(plan.placeholders))
         self._stats = static_stats
+        self._calls: list[RuntimeCall] | None = None
+        CudagraphRuntime._live.add(self)
         # One step reading every input in order and returning the graph's outputs
         # in order: call it directly (the per-call path of a fully captured graph).
         self._single: BoxedFn | None = None
@@ -116,7 +132,32 @@ class CudagraphRuntime:
             ):
                 self._single = run
 
+    @classmethod
+    @contextlib.contextmanager
+    def record_calls(cls) -> Iterator[list[RuntimeCall]]:
+        """Record every call of every live runtime while the block runs: a
+        debugging and benchmarking aid (the list keeps the calls' inputs alive).
+
+        ``call.runtime(list(call.inputs))`` then runs that graph again exactly as
+        its caller (AOTAutograd) did, without the layers above the runtime.
+
+        >>> with CudagraphRuntime.record_calls() as calls:  # doctest: +SKIP
+        ...     compiled(x)
+        >>> calls[0].runtime(list(calls[0].inputs))  # doctest: +SKIP
+        """
+        calls: list[RuntimeCall] = []
+        runtimes = list(cls._live)
+        for r in runtimes:
+            r._calls = calls
+        try:
+            yield calls
+        finally:
+            for r in runtimes:
+                r._calls = None
+
     def __call__(self, args: list[Any]) -> list[Any]:
+        if self._calls is not None:
+            self._calls.append(RuntimeCall(self.plan.graph, self, tuple(args)))
         if self._single is not None:
             return self._single(args)  # type: ignore[return-value]
         env = list(args)

@@ -5,14 +5,17 @@ Per distinct input shape (one key for static graphs) a segment keeps up to
 in place (parameters, buffers, outputs of other loom CUDA graphs). Other
 tensor inputs are copied into static buffers. Which inputs are used in place,
 copied, or copied back after a mutation is decided once, when a recording is
-made; the per-call path is one pointer check in C++, one fused copy, the
-replay and one alias per escaping output.
+made, together with the callables the per-call path runs: one pointer check
+in C++ (only when some input is used in place), the output-liveness check,
+one fused copy, the replay and one alias per escaping output.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,7 +28,9 @@ from loom_cudagraph._pool import MemoryPool, Watch
 from loom_cudagraph._reasons import SkipReason, Unsupported
 from loom_cudagraph._skiplog import report_skip
 from loom_cudagraph._torch_compat import (
+    data_ptrs_at_indices_equal,
     foreach_copy,
+    foreach_copy_,
     non_overlapping_and_dense,
     storage_id,
     storage_use_count,
@@ -96,13 +101,19 @@ Listener = Callable[[SegmentStats, str], None]
 
 
 class _Recording:
+    """One CUDA graph of a segment: which inputs it reads in place (and at which
+    addresses), its static buffers, outputs, and the callables the per-call
+    path runs, all fixed when it is recorded."""
+
     __slots__ = (
         "__weakref__",
         "alias_idx",
         "bufs",
         "checks",
         "clone_idx",
+        "copy_back",
         "copy_idx",
+        "copy_in",
         "copyback_bufs",
         "copyback_idx",
         "graph",
@@ -112,6 +123,7 @@ class _Recording:
         "outputs",
         "pool",
         "ptrs",
+        "replay",
         "retired",
         "table",
         "watch",
@@ -129,16 +141,45 @@ class _Recording:
         self.copyback_idx: list[int] = []
         self.copyback_bufs: list[torch.Tensor] = []
         self.outputs: list[Any] = []
-        self.alias_idx: list[int] = []
-        self.clone_idx: list[int] = []
+        self.alias_idx: tuple[int, ...] = ()
+        self.clone_idx: tuple[int, ...] = ()
         self.watch: list[Watch] = []
         self.checks: tuple[int, list[tuple[int, int]]] = (-1, [])
         self.managed: list[int] = []
         self.retired = False
+        self.copy_in: Callable[[list[Any]], object] | None = None
+        self.copy_back: Callable[[list[Any]], object] | None = None
+        self.replay: Callable[[], object] = _no_replay
 
     def retire(self, held: list[Watch]) -> None:
         self.retired = True
         self.table.on_retire(self, held)
+
+
+def _no_replay() -> None:
+    raise RuntimeError("loom_cudagraph: a recording was replayed before its capture finished")
+
+
+def _copy_into(bufs: list[torch.Tensor], idx: list[int]) -> Callable[[list[Any]], object] | None:
+    """``bufs[k].copy_(inputs[idx[k]])`` for every ``k``: one copy, or one fused copy."""
+    if not idx:
+        return None
+    if len(idx) == 1:
+        copy, i = bufs[0].copy_, idx[0]
+        return lambda inputs: copy(inputs[i])
+    fused, gather = functools.partial(foreach_copy_, bufs), operator.itemgetter(*idx)
+    return lambda inputs: fused(gather(inputs))
+
+
+def _copy_back(bufs: list[torch.Tensor], idx: list[int]) -> Callable[[list[Any]], object] | None:
+    """``inputs[idx[k]].copy_(bufs[k])`` for every ``k`` (a mutated input made whole)."""
+    if not idx:
+        return None
+    if len(idx) == 1:
+        buf, i = bufs[0], idx[0]
+        return lambda inputs: inputs[i].copy_(buf)
+    gather = operator.itemgetter(*idx)
+    return lambda inputs: foreach_copy_(gather(inputs), bufs)
 
 
 class _Table:
@@ -150,12 +191,14 @@ class _Table:
         "exhausted",
         "last",
         "made",
+        "owner",
         "recordings",
         "retires",
         "warmed",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, owner: CapturedSegment) -> None:
+        self.owner = owner
         self.recordings: list[_Recording] = []
         self.last: _Recording | None = None
         self.copy_out: set[int] = set()
@@ -178,6 +221,8 @@ class _Table:
             self.recordings.remove(rec)
         if self.last is rec:
             self.last = None
+        if self.owner._hot is rec:
+            self.owner._hot = None
         self.retires += 1
         _manage(rec.managed, -1)
         rec.managed.clear()
@@ -210,6 +255,11 @@ class CapturedSegment:
         self._dynamic = spec.dynamic
         self._off: Unsupported | None = None
         self._shapes_warned = False
+        self._hot: _Recording | None = None
+        replayer = getattr(capturer, "replayer", None)
+        self._replayer: Callable[[Any], Callable[[], object]] = (
+            replayer if replayer is not None else lambda g: functools.partial(capturer.replay, g)
+        )
         self.replays = 0
         self.uncaptured_calls = 0
         self.pool_bytes = 0
@@ -218,25 +268,61 @@ class CapturedSegment:
     # --- per call ------------------------------------------------------------------------
 
     def __call__(self, inputs: list[Any]) -> Sequence[Any]:
+        # NOTE: the hot path. ``_hot`` is the recording the last call replayed
+        # (static shapes only; dropped when it retires); it replays again if its
+        # in-place inputs kept their addresses and no output it hands out is held.
+        rec = self._hot
+        if (
+            rec is None
+            or (
+                rec.inplace_idx
+                and not data_ptrs_at_indices_equal(inputs, rec.ptrs, rec.inplace_idx)
+            )
+            or rec.pool.blocked(rec)
+        ):
+            rec = self._dispatch(inputs)
+            if rec is None:
+                self.uncaptured_calls += 1
+                return self.fn(inputs)
+        if rec.copy_in is not None:
+            rec.copy_in(inputs)
+        rec.replay()
+        if rec.copy_back is not None:
+            rec.copy_back(inputs)
+        self.replays += 1
+        inputs.clear()
+        outs = rec.outputs.copy()
+        for p in rec.alias_idx:
+            outs[p] = outs[p].detach()
+        for p in rec.clone_idx:
+            outs[p] = outs[p].clone()
+        return outs
+
+    def _dispatch(self, inputs: list[Any]) -> _Recording | None:
+        """The recording to replay for ``inputs``, recording one if needed and
+        allowed; ``None`` runs the call uncaptured (a warm-up, or a skip)."""
         if self._off is not None:
-            return self._uncaptured(inputs)
+            return None
         key = self._key(inputs) if self._dynamic else None
         table = self._tables.get(key)
         if table is None:
-            return self._new_shape(key, inputs)
+            self._new_shape(key, inputs)
+            return None
         rec = table.last
         if rec is None or (
             rec.inplace_idx and not tensors_data_ptrs_equal(inputs, rec.ptrs, rec.inplace_idx)
         ):
             rec = table.find(inputs) or self._record(table, inputs)
             if rec is None:
-                return self._uncaptured(inputs)
+                return None
         if rec.pool.blocked(rec):
             rec = self._unblocked(table, rec, inputs)
             if rec is None:
-                return self._uncaptured(inputs)
+                return None
         table.last = rec
-        return self._replay(rec, inputs)
+        if not self._dynamic:
+            self._hot = rec
+        return rec
 
     def _unblocked(self, table: _Table, rec: _Recording, inputs: list[Any]) -> _Recording | None:
         """A recording for these addresses whose outputs are free: a sibling, a new
@@ -255,21 +341,6 @@ class CapturedSegment:
             r.pool.release(r)
         return self._record(table, inputs, alternate=True)
 
-    def _replay(self, rec: _Recording, inputs: list[Any]) -> list[Any]:
-        if rec.copy_idx:
-            foreach_copy(rec.bufs, [inputs[i] for i in rec.copy_idx])
-        self.capturer.replay(rec.graph)
-        if rec.copyback_idx:
-            foreach_copy([inputs[i] for i in rec.copyback_idx], rec.copyback_bufs)
-        self.replays += 1
-        inputs.clear()
-        outs = rec.outputs.copy()
-        for p in rec.alias_idx:
-            outs[p] = outs[p].detach()
-        for p in rec.clone_idx:
-            outs[p] = outs[p].clone()
-        return outs
-
     def _uncaptured(self, inputs: list[Any]) -> Sequence[Any]:
         self.uncaptured_calls += 1
         return self.fn(inputs)
@@ -281,7 +352,9 @@ class CapturedSegment:
 
     # --- slow paths ------------------------------------------------------------------------
 
-    def _new_shape(self, key: Any, inputs: list[Any]) -> Sequence[Any]:
+    def _new_shape(self, key: Any, inputs: list[Any]) -> None:
+        """Register a new shape key (this call is its warm-up), or warn once that
+        the shape budget is spent; either way the call runs uncaptured."""
         if len(self._tables) >= max(1, self.spec.options.max_shapes):
             if not self._shapes_warned:
                 self._shapes_warned = True
@@ -292,12 +365,11 @@ class CapturedSegment:
                     f"{self.spec.options.max_shapes}, so new shapes run uncaptured",
                     "pad inputs to a few fixed sizes or raise cudagraph_max_shapes",
                 )
-            return self._uncaptured(inputs)
-        self._tables[key] = _Table()
-        self._tables[key].warmed = True
+            return
         # NOTE: the warm-up is the user's call itself (it draws the same random
         # numbers as uncaptured compiled code would), so its result is returned.
-        return self._uncaptured(inputs)
+        self._tables[key] = table = _Table(self)
+        table.warmed = True
 
     def _record(
         self, table: _Table, inputs: list[Any], alternate: bool = False
@@ -351,10 +423,13 @@ class CapturedSegment:
         mutated = self.spec.mutated_positions
         rec.copyback_idx = [i for i in rec.copy_idx if i in mutated]
         rec.copyback_bufs = [b for i, b in zip(rec.copy_idx, rec.bufs, strict=True) if i in mutated]
+        rec.copy_in = _copy_into(rec.bufs, rec.copy_idx)
+        rec.copy_back = _copy_back(rec.copyback_bufs, rec.copyback_idx)
         before = self.capturer.reserved()
         try:
             rec.graph, rec.outputs = self.capturer.capture(self.fn, cap_inputs, pool.handle)
         except Exception as exc:
+            self._hot = None
             self._off = self._skip(
                 SkipReason.CAPTURE_FAILED,
                 f"capture raised {type(exc).__name__}: {exc}",
@@ -362,6 +437,7 @@ class CapturedSegment:
             )
             return None
         del cap_inputs
+        rec.replay = self._replayer(rec.graph)
         self.pool_bytes += self.capturer.pool_bytes(before)
         table.made += 0 if alternate else 1
         table.buffers += 1
@@ -384,11 +460,13 @@ class CapturedSegment:
                 if cdata not in in_place:
                     groups.setdefault(cdata, []).append(p)
         escaping = self.spec.escaping_outputs
-        rec.clone_idx = sorted(p for p in table.copy_out if p < len(outs))
-        rec.alias_idx = sorted(
-            p
-            for p in escaping
-            if p < len(outs) and p not in table.copy_out and isinstance(outs[p], torch.Tensor)
+        rec.clone_idx = tuple(sorted(p for p in table.copy_out if p < len(outs)))
+        rec.alias_idx = tuple(
+            sorted(
+                p
+                for p in escaping
+                if p < len(outs) and p not in table.copy_out and isinstance(outs[p], torch.Tensor)
+            )
         )
         watched = [(c, ps) for c, ps in groups.items() if not set(ps) <= table.copy_out]
         rec.watch = [

@@ -17,7 +17,9 @@ __all__ = [
     "HigherOrderOperator",
     "OpOverload",
     "OpOverloadPacket",
+    "data_ptrs_at_indices_equal",
     "foreach_copy",
+    "foreach_copy_",
     "free_unbacked_symbols",
     "is_fake_or_meta",
     "mutated_args",
@@ -35,6 +37,18 @@ def storage_id(t: torch.Tensor) -> int:
 
 #: How many references (tensors, views, storages) hold a StorageImpl now (by its address).
 storage_use_count: Callable[[int], int] = torch._C._storage_Use_Count
+
+
+TensorList = list[torch.Tensor] | tuple[torch.Tensor, ...]
+
+#: ``dst[i].copy_(src[i])`` for all ``i`` (lists or tuples, non-empty), the op itself:
+#: the per-call path binds it to a recording's buffers once.
+foreach_copy_: Callable[[TensorList, TensorList], None] = torch._foreach_copy_
+
+#: ``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` in ``indices`` (one C++ call, no wrapper).
+data_ptrs_at_indices_equal: Callable[[list[Any], list[int | None], list[int]], bool] = (
+    torch._C._tensors_data_ptrs_at_indices_equal
+)
 
 
 def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
