@@ -337,3 +337,24 @@ def test_calling_a_function_the_trace_created_shares_its_cells() -> None:
     assert plan.apply(Roots.of(replayed, ())) == (real(),)  # type: ignore[arg-type]
     assert cells_of(replayed) == cells_of(real) == {"total": 6}
     assert plan.apply(Roots.of(replayed, ())) == (real(),)  # type: ignore[arg-type]
+
+
+def test_a_value_staged_in_a_made_cell_is_read_by_the_nested_function_capturing_it() -> None:
+    def outer() -> Callable[[], Any]:
+        x = 1
+
+        def inner() -> Any:
+            return x
+
+        return inner
+
+    se = SideEffects()
+    cells = CellModel(se)
+    frame = FrameCells(cells, outer.__code__, ())
+    frame.make_cell("x")
+    staged = object()  # a tracer's own symbolic value
+    frame.stage("x", staged)
+    inner_code = code_of(outer, "inner")
+    inner = FrameCells(cells, inner_code, frame.closure_for(inner_code))
+    assert inner.load("x") is staged
+    assert cells.guards() == () and se.build().is_empty

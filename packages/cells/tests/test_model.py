@@ -222,3 +222,59 @@ def test_rollback_forgets_cells_guards_and_writes_of_an_abandoned_speculation() 
     assert concrete(cells.load(shared, guard=False)) == 10
     assert se.build().is_empty
     assert cells.existing(bump.__closure__[0], ClosureSource(0, "shared")) == shared  # type: ignore[index]
+
+
+class Symbolic:
+    """A tracer's own symbolic value (not a recorded value)."""
+
+
+def test_a_staged_write_is_read_back_unguarded_through_every_function_sharing_the_cell() -> None:
+    bump, read = make_pair()
+    se = SideEffects()
+    cells = CellModel(se)
+    (a,) = cells.hook_closure(bump)  # type: ignore[arg-type]
+    (b,) = cells.closure_of(read, GlobalSource("read"))  # type: ignore[arg-type]
+    assert concrete(cells.load(a)) == 10
+    staged = Symbolic()
+    cells.stage(a, staged)
+    assert cells.load(b) is staged
+    assert cells.guard_read(b) is None, "the trace wrote the cell: its value is symbolic"
+    assert [g.describe() for g in cells.guards()] == ["closure[0:shared].cell_contents == 10"]
+    assert se.build().is_empty, "nothing is recorded until the tracer stores the recorded value"
+    cells.store(a, Computed("+", 10, 1))
+    assert cells.load(b) == Computed("+", 10, 1), "a recorded store replaces the staged value"
+    plan = se.build()
+    roots = Roots.of(bump, ())  # type: ignore[arg-type]
+    plan.apply(roots)
+    assert read() == 11
+
+
+def test_staging_in_a_new_cell_needs_no_source_and_records_nothing() -> None:
+    se = SideEffects()
+    cells = CellModel(se)
+    cell = cells.new_cell("x")
+    staged = Symbolic()
+    cells.stage(cell, staged)
+    assert cells.load(cell) is staged
+    assert cells.guards() == () and se.build().is_empty
+
+
+def test_staging_into_a_cell_without_a_source_is_refused() -> None:
+    hook = make_counter()
+    cells = CellModel(SideEffects())
+    (c,) = cells.closure_of(hook, None)  # type: ignore[arg-type]
+    with pytest.raises(CellRefused) as info:
+        cells.stage(c, Symbolic())
+    assert info.value.reason.kind is CellRefusal.NO_SOURCE
+
+
+def test_rollback_restores_the_staged_contents() -> None:
+    cells = CellModel(SideEffects())
+    cell = cells.new_cell("x")
+    first, second = Symbolic(), Symbolic()
+    cells.stage(cell, first)
+    cp = cells.checkpoint()
+    cells.stage(cell, second)
+    assert cells.load(cell) is second
+    cells.rollback(cp)
+    assert cells.load(cell) is first

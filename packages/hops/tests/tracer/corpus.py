@@ -1000,6 +1000,104 @@ def new_list_stored_twice_keeps_identity() -> Setup:
     return with_log(h_shared_new_row)
 
 
+# ------------------------------------------------------------ closure cells (loom_cells)
+
+
+def h_new_cell_shared_by_two_nested(t):
+    total = 0
+
+    def add(x):
+        nonlocal total
+        total += x
+
+    def scaled(u):
+        return u * total
+
+    for s in t.shape:
+        add(s)
+    first = scaled(t)
+    add(1)
+    return first, scaled(t)
+
+
+@case()
+def cells_new_cell_shared_by_two_nested_functions() -> Setup:
+    return Setup(with_globals(h_new_cell_shared_by_two_nested), (t43(),))
+
+
+def _make_shadowing() -> Callable[..., Any]:
+    x = 2
+
+    def hook(t):
+        nonlocal x
+
+        def shadow_local():
+            x = 100  # a local of this function: the outer cell is untouched
+            return x
+
+        def shadow_cell():
+            x = 5  # this function's own cell, shared with g only
+
+            def g():
+                nonlocal x
+                x += 1
+                return x
+
+            return g()
+
+        def reads_outer():
+            return x
+
+        x = x + shadow_local() + shadow_cell()
+        return t * reads_outer()
+
+    return hook
+
+
+@case(mutate=set_cell(0, 3))
+def cells_nested_locals_and_cells_shadow_the_outer_cell() -> Setup:
+    hook = _make_shadowing()
+    return Setup(hook, (t43(),), {"cells": hook.__closure__})
+
+
+def _make_hook_and_helper_sharing_a_cell() -> Callable[..., Any]:
+    n = 1
+
+    def bump():
+        nonlocal n
+        n += 1
+
+    def hook(t):
+        before = n
+        bump()
+        return t * before, t * n
+
+    return hook
+
+
+@case(mutate=set_cell(1, 10))
+def cells_hook_and_helper_share_a_preexisting_cell() -> Setup:
+    hook = _make_hook_and_helper_sharing_a_cell()
+    return Setup(hook, (t43(),), {"cells": hook.__closure__})
+
+
+def h_argument_in_cell(t):
+    def twice():
+        return t * 2
+
+    def bump():
+        nonlocal t
+        t = t + 1
+
+    bump()
+    return twice() + t
+
+
+@case()
+def cells_argument_captured_and_rebound_by_nested_functions() -> Setup:
+    return Setup(with_globals(h_argument_in_cell), (t43(),))
+
+
 # ------------------------------------------------------------------ refused hooks
 
 
@@ -1078,6 +1176,39 @@ def _escaping(t):
 @case(refusal=TraceRefusal.ESCAPING_FUNCTION)
 def refuses_function_escaping_into_state() -> Setup:
     return Setup(with_globals(_escaping, HOLDER=[]), (t43(),))
+
+
+def _closure_escapes(t):
+    scale = t.shape[0]
+
+    def rescale(u):
+        return u * scale
+
+    HOLDER.append(rescale)  # <- refused
+    return t
+
+
+@case(refusal=TraceRefusal.ESCAPING_FUNCTION)
+def refuses_closure_over_a_new_cell_escaping_into_a_global_list() -> Setup:
+    return Setup(with_globals(_closure_escapes, HOLDER=[]), (t43(),))
+
+
+def _make_callback_holder() -> Callable[..., Any]:
+    callback = None
+
+    def hook(t):
+        nonlocal callback
+        k = t.ndim
+        callback = lambda u: u * k  # <- refused  # noqa: E731
+        return t
+
+    return hook
+
+
+@case(refusal=TraceRefusal.ESCAPING_FUNCTION)
+def refuses_closure_over_a_new_cell_stored_into_a_preexisting_cell() -> Setup:
+    hook = _make_callback_holder()
+    return Setup(hook, (t43(),), {"cells": hook.__closure__})
 
 
 def _new_object(t):

@@ -435,3 +435,68 @@ def test_bound_method_hook_is_traced_with_self_as_state() -> None:
     actual = tr.run(x)
     assert expected[0] == actual[0] and torch.equal(expected[1], actual[1])
     assert eager.packed == via_trace.packed == 1
+
+
+# ------------------------------------------------------------- closure cells
+
+
+def test_a_cell_shared_by_the_hook_and_a_helper_is_one_model() -> None:
+    hook = corpus._make_hook_and_helper_sharing_a_cell()
+    tr = traced(hook, torch.ones(2))
+    cell_guards = [g.describe() for g in tr.guards if "cell_contents" in g.describe()]
+    assert cell_guards == [
+        "closure[0:bump].cell_contents is <function object>",
+        "closure[1:n].cell_contents == 1",
+    ], "the helper's read and write go through the hook's closure[1:n], not a second model"
+    assert tr.replay.describe().splitlines()[1] == (
+        "  closure[1:n].cell_contents = (closure[1:n].cell_contents + 1)"
+    )
+    before, after = tr.run(torch.ones(2))
+    assert (before.tolist(), after.tolist()) == ([1.0, 1.0], [2.0, 2.0])
+    assert hook.__closure__ is not None and hook.__closure__[1].cell_contents == 2
+
+
+def test_a_new_cell_shared_by_two_nested_functions_stays_symbolic() -> None:
+    tr = traced(corpus.h_new_cell_shared_by_two_nested, torch.ones(4, 3))
+    assert tr.replay.ops == () and tr.replay.new_objects == ()
+    assert not any("cell_contents" in g.describe() for g in tr.guards)
+    first, second = tr.run(torch.ones(4, 3))
+    assert (first[0, 0].item(), second[0, 0].item()) == (7.0, 8.0)
+
+
+def test_nested_locals_and_cells_never_write_the_outer_cell_they_shadow() -> None:
+    hook = corpus._make_shadowing()
+    tr = traced(hook, torch.ones(2))
+    assert tr.replay.describe().splitlines()[1:] == [
+        "  closure[0:x].cell_contents = ((closure[0:x].cell_contents + 100) + 6)",
+        "  return t0",
+    ]
+    assert tr.run(torch.ones(2)).tolist() == [108.0, 108.0]
+    assert hook.__closure__ is not None and hook.__closure__[0].cell_contents == 108
+
+
+def test_a_closure_over_a_new_cell_escaping_into_state_is_refused_naming_the_cell() -> None:
+    holder: list[Any] = []
+    hook = corpus.with_globals(corpus._closure_escapes, HOLDER=holder)
+    result = trace_hook(hook, (torch.ones(2),))
+    assert isinstance(result, HookUnsupported)
+    assert result.kind is TraceRefusal.ESCAPING_FUNCTION
+    assert "'rescale'" in result.explanation and "(scale)" in result.explanation
+    assert holder == [], "tracing performs no side effect"
+
+
+def test_reading_an_empty_cell_made_by_the_hook_is_refused_as_the_hook_raising() -> None:
+    def hook(t):
+        def read():
+            return late
+
+        out = read()
+        late = t
+        return out
+
+    result = trace_hook(hook, (torch.ones(2),))
+    assert isinstance(result, HookUnsupported)
+    assert result.kind is TraceRefusal.HOOK_RAISES
+    assert "'late' referenced before assignment" in result.explanation
+    with pytest.raises(NameError):
+        hook(torch.ones(2))
