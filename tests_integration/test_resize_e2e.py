@@ -8,7 +8,7 @@ graph must not allocate the parameters' own storage."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchloom
+from loom_resize import FSDPPatternStack
 from loom_resize import _torch_compat as resize_compat
 
 
@@ -157,3 +158,155 @@ def test_sharded_transformer_matches_eager(fill: str) -> None:
 @pytest.mark.parametrize("codegen", ["inductor", "eager"])
 def test_sharded_transformer_matches_eager_on_cuda(codegen: str) -> None:
     _check("copy", {"codegen": codegen, "cache": False}, device="cuda")
+
+
+# --- FSDPPatternStack: what the training step holds at its peak ------------------------------
+#
+# The forward hands backward the parameters themselves (zero storage), never a
+# filled copy. Without compiled autograd the compiled backward is one autograd
+# node: it returns every weight gradient at once, and the post-accumulate-grad
+# hooks that free the weights run only after it, so all weights and all
+# gradients are alive together (eager frees each weight as its gradient lands).
+# Under compiled autograd the hooks are traced into the backward graph, so each
+# weight dies (and, with reduce_grads, each gradient is reduced and dropped)
+# before the next layer's gradient is computed.
+
+EAGER_CODEGEN = {"codegen": "eager", "cache": False}
+LAYERS, DIM = 4, 256
+UNIT = DIM * DIM * 4  # one weight, or one weight gradient
+
+
+def _cpu_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak CPU bytes allocated during ``fn`` above its start, from the profiler's
+    allocation events (each carries the allocator's running total)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            fields = event.extra_fields
+            events.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
+    events.sort()
+    start = events[0][2] - events[0][1]
+    return max(total for _, _, total in events) - start
+
+
+def _peak_bytes(fn: Callable[[], object], device: str) -> int:
+    if device == "cpu":
+        return _cpu_peak_bytes(fn)
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+def _compiled_autograd(on: bool, options: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    if not on:
+        return contextlib.nullcontext()
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    backward = torch.compile(backend="loom", options=options, fullgraph=True)
+    return compiled_autograd._enable(backward)
+
+
+def _stack_step(
+    model: FSDPPatternStack, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> torch.Tensor:
+    out = forward(x)
+    model.prepare_backward(out)
+    out.sum().backward()
+    return out.detach()
+
+
+def _grads(model: FSDPPatternStack) -> list[torch.Tensor]:
+    if model.reduce_grads:
+        return [model.grad_shard(i).clone() for i in range(len(model.weights))]
+    return [w.grad.clone() for w in model.weights if w.grad is not None]
+
+
+def _run_stack(
+    variant: str,
+    reduce_grads: bool,
+    device: str = "cpu",
+    options: dict[str, Any] = EAGER_CODEGEN,
+    steps: int = 3,
+) -> tuple[list[Any], int]:
+    """Outputs, gradients and storage sizes of ``steps`` steps, and the peak
+    memory of one more step above its start (gradients dropped before it)."""
+    torch._dynamo.reset()
+    model = FSDPPatternStack(LAYERS, DIM, fill="copy", reduce_grads=reduce_grads, device=device)
+    forward: Any = (
+        model
+        if variant == "eager"
+        else torch.compile(model, backend="loom", options=options, fullgraph=True)
+    )
+    x = torch.randn(16, DIM, generator=torch.Generator().manual_seed(4))
+    x = x.to(device).requires_grad_()
+    seen = []
+    with _compiled_autograd(variant == "loom+ca", options):
+        for _ in range(steps):
+            x.grad = None
+            for w in model.weights:
+                w.grad = None
+            out = _stack_step(model, forward, x)
+            assert x.grad is not None
+            seen.append((out, x.grad.clone(), _grads(model), model.storage_nbytes()))
+        for w in model.weights:
+            w.grad = None
+        peak = _peak_bytes(lambda: _stack_step(model, forward, x), device)
+    return seen, peak
+
+
+def test_forward_hands_backward_the_zero_storage_parameters() -> None:
+    model = FSDPPatternStack(3, 16, fill="copy")
+    compiled = torch.compile(model, backend="loom", options=EAGER_CODEGEN, fullgraph=True)
+    out = compiled(torch.randn(4, 16, requires_grad=True))
+    saved = [t for t in out.grad_fn.saved_tensors if t.shape == (16, 16)]
+    assert len(saved) == 3  # every layer's weight, for the gradient of its input
+    assert all(t.untyped_storage().nbytes() == 0 for t in saved)
+    for w in model.weights:  # each is the parameter's own storage: it grows with it
+        w.untyped_storage().resize_(16 * 16 * 4)
+        assert sum(t.untyped_storage().nbytes() > 0 for t in saved) == 1
+        w.untyped_storage().resize_(0)
+
+
+def _check_stack_peaks(reduce_grads: bool, device: str, options: dict[str, Any]) -> None:
+    want, eager_peak = _run_stack("eager", reduce_grads, device, options)
+    got, ca_peak = _run_stack("loom+ca", reduce_grads, device, options)
+    _, loom_peak = _run_stack("loom", reduce_grads, device, options)
+    for (o1, x1, g1, s1), (o2, x2, g2, s2) in zip(got, want, strict=True):
+        torch.testing.assert_close(o1, o2)
+        torch.testing.assert_close(x1, x2)
+        assert len(g1) == len(g2) == LAYERS
+        for a, b in zip(g1, g2, strict=True):
+            torch.testing.assert_close(a, b)
+        assert s1 == s2 == [0] * LAYERS
+    assert all(g.fallback is None for g in torchloom.report())
+    # every gathered weight and every gradient at once without compiled autograd
+    assert loom_peak >= 2 * LAYERS * UNIT
+    # eager: the backward's gather of all weights plus one gradient at a time
+    assert eager_peak < (LAYERS + 1.5) * UNIT
+    # compiled autograd: as eager, plus the copy its AccumulateGrad makes of a new gradient
+    assert ca_peak < (LAYERS + 2.5) * UNIT
+
+
+@pytest.mark.parametrize("reduce_grads", [False, True], ids=["grads-kept", "grads-reduced"])
+def test_compiled_autograd_matches_eager_and_frees_each_weight_inside_the_backward(
+    reduce_grads: bool,
+) -> None:
+    _check_stack_peaks(reduce_grads, "cpu", EAGER_CODEGEN)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codegen", ["inductor", "eager"])
+@pytest.mark.parametrize("reduce_grads", [False, True], ids=["grads-kept", "grads-reduced"])
+def test_compiled_autograd_step_peak_on_cuda(reduce_grads: bool, codegen: str) -> None:
+    _check_stack_peaks(reduce_grads, "cuda", {"codegen": codegen, "cache": False})
