@@ -6,20 +6,30 @@ Side by side in one process, per workload:
 - ``inductor-ro``: ``mode="reduce-overhead"`` (cudagraph trees, graph partitioning);
 - ``loom-cg``: ``backend="loom", options={"cudagraphs": True}``;
 - ``raw-graph``: the Inductor-compiled step captured once by hand in a
-  ``torch.cuda.CUDAGraph`` and replayed (the floor any runtime can reach).
+  ``torch.cuda.CUDAGraph`` and replayed (the floor any runtime can reach);
+- ``loom-cg runtime``: loom's CUDA-graph runtime alone, the boxed callable
+  AOTAutograd calls, called with the inputs AOTAutograd passed it (recorded
+  with ``CudagraphRuntime.record_calls``): no Dynamo guards, no AOTAutograd or
+  compiled-function wrappers. Measured for steps that make one runtime call
+  (inference); ``raw-graph`` and ``loom-cg runtime`` are timed in interleaved
+  rounds, the end-to-end variants one after the other (each after a Dynamo reset).
 
 Workloads: the foundation's launch-bound ones (batch-8 MLP inference, MLP and
 GPT-stack training steps, batch-1 GPT inference), a one-kernel graph (the
 runtime's own cost per call) and a graph with a CPU op in the middle. Reported:
-median step times, ``loom-cg`` / ``raw-graph`` and ``loom-cg`` / ``inductor-ro``
-ratios, peak memory against ``inductor-ro``, and loom's capture coverage.
+median step times, ratios to ``raw-graph``, ``inductor-ro`` and ``inductor``,
+peak memory against ``inductor-ro``, and loom's capture coverage.
 
 Targets (GPU): loom-cg <= inductor-ro and <= 1.15x raw-graph on the foundation
-workloads; <= 1.5x raw-graph on the one-kernel graph; on the CPU-op graph
-faster than inductor and <= inductor-ro.
+workloads; the runtime's own cost (``loom-cg runtime``) <= 1.5x raw-graph on the
+one-kernel graph; on the CPU-op graph faster than inductor and <= inductor-ro.
+
+``--micro`` times the runtime's per-call Python path on the host instead: one
+graph built with ``build_runtime`` and a capturer whose replay does nothing.
 
     python benchmarks/bench_cudagraph.py --device cuda
     python benchmarks/bench_cudagraph.py --device cpu --quick --no-append   # smoke run
+    python benchmarks/bench_cudagraph.py --micro --no-append                # host per-call path
 """
 
 from __future__ import annotations
@@ -36,8 +46,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import append_results, format_table, parse_args, peak_memory, ratio, time_fn
+from _harness import Timing, append_results, format_table, parse_args, peak_memory, ratio, time_fn
 from workloads import size_for, step, workloads
+
+from loom_cudagraph import CudagraphRuntime
 
 FOUNDATION_TARGET_RAW = 1.15
 ONE_KERNEL_TARGET_RAW = 1.5
@@ -133,6 +145,18 @@ def _loom_coverage(first: int) -> str:
     return f"{captured}/{len(segs)} captured, {replays} replays"
 
 
+def _runtime_step(run: Step) -> Step | None:
+    """The loom CUDA-graph runtime of ``run``'s one graph, called with the inputs
+    AOTAutograd passed it; ``None`` when a step calls more than one runtime."""
+    with CudagraphRuntime.record_calls() as calls:
+        run()
+    if len(calls) != 1:
+        return None
+    (call,) = calls
+    runtime, inputs = call.runtime, call.inputs
+    return lambda: runtime(list(inputs))
+
+
 def measure(case: Case, device: torch.device, quick: bool, iters: int) -> list[dict[str, Any]]:
     from torchloom._stage_cudagraph import cudagraph_stats
 
@@ -147,9 +171,11 @@ def measure(case: Case, device: torch.device, quick: bool, iters: int) -> list[d
         variants["inductor-ro"] = lambda: make(lambda m: torch.compile(m, mode="reduce-overhead"))[
             0
         ]
-        if case.kind != "cpu_op":
-            variants["raw-graph"] = lambda: _raw_graph(make, device)
+    warmup = 3 if quick else 10
     rows = []
+    # Timed together in interleaved rounds at the end: neither goes through Dynamo,
+    # so they outlive the resets between the end-to-end variants.
+    floor: dict[str, Step] = {}
     for name, build in variants.items():
         torch._dynamo.reset()
         first = len(cudagraph_stats())
@@ -162,16 +188,26 @@ def measure(case: Case, device: torch.device, quick: bool, iters: int) -> list[d
 
             for _ in range(3):  # compile, warm up, record
                 run()
-            timing = time_fn(run, warmup=3 if quick else 10, iters=iters, device=device)
+            timing = time_fn(run, warmup=warmup, iters=iters, device=device)
             mem = peak_memory(run, device)
             row: dict[str, Any] = {"workload": case.name, "variant": name, **timing.as_dict()}
             row["peak_mib"] = None if mem is None else mem / 2**20
             if name == "loom-cg":
                 row["coverage"] = _loom_coverage(first)
+                runtime = _runtime_step(run)
+                if runtime is not None:
+                    floor["loom-cg runtime"] = runtime
         except Exception as exc:  # a failing variant is a row, not a lost run
             row = {"workload": case.name, "variant": name, "error": repr(exc)[:200]}
-        print(f"  {case.name:<14} {name:<12} {row.get('median_ms', row.get('error'))}", flush=True)
+        print(f"  {case.name:<14} {name:<16} {row.get('median_ms', row.get('error'))}", flush=True)
         rows.append(row)
+    torch._dynamo.reset()
+    if device.type == "cuda" and case.kind != "cpu_op":
+        try:
+            floor = {"raw-graph": _raw_graph(make, device), **floor}
+        except Exception as exc:
+            rows.append({"workload": case.name, "variant": "raw-graph", "error": repr(exc)[:200]})
+    rows += _interleaved(case, floor, device, warmup, iters)
     torch._dynamo.reset()
     by = {r["variant"]: r for r in rows}
     loom = by.get("loom-cg", {})
@@ -184,6 +220,27 @@ def measure(case: Case, device: torch.device, quick: bool, iters: int) -> list[d
     return rows
 
 
+def _interleaved(
+    case: Case, steps: dict[str, Step], device: torch.device, warmup: int, iters: int
+) -> list[dict[str, Any]]:
+    """Time ``steps`` in interleaved rounds (launch-bound steps drift with host noise)."""
+    rounds = 5
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for run in steps.values():
+        time_fn(run, warmup=warmup, iters=1, device=device)
+    for _ in range(rounds):
+        for name, run in steps.items():
+            samples[name] += time_fn(
+                run, warmup=2, iters=max(1, iters // rounds), device=device
+            ).times_s
+    rows = []
+    for name, times in samples.items():
+        row = {"workload": case.name, "variant": name, **Timing(tuple(times)).as_dict()}
+        print(f"  {case.name:<14} {name:<16} {row['median_ms']}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     kinds = {c.name: c.kind for c in CASES}
@@ -192,16 +249,21 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
             continue
         kind = kinds[r["workload"]]
         raw, ro, ind = r.get("vs_raw"), r.get("vs_ro"), r.get("vs_inductor")
+        own = _variant_vs_raw(rows, r["workload"], "loom-cg runtime")
         if kind == "foundation":
             lines.append(
                 f"{r['workload']}: loom-cg {_x(raw)} of raw replay "
                 f"({_v(raw, FOUNDATION_TARGET_RAW)}), {_x(ro)} of reduce-overhead ({_v(ro, 1.0)}), "
-                f"peak memory {_x(r.get('peak_vs_ro'))} of reduce-overhead"
+                f"peak memory {_x(r.get('peak_vs_ro'))} of reduce-overhead; "
+                f"the runtime alone {_x(own)} of raw replay"
             )
         elif kind == "one_kernel":
             lines.append(
-                f"{r['workload']}: loom-cg {_x(raw)} of raw replay ({_v(raw, ONE_KERNEL_TARGET_RAW)}), "
-                f"reduce-overhead {_x(_ro_vs_raw(rows, r['workload']))} of raw replay"
+                f"{r['workload']}: the runtime alone (loom-cg runtime) {_x(own)} of raw replay "
+                f"({_v(own, ONE_KERNEL_TARGET_RAW)}); end to end loom-cg {_x(raw)} of raw replay "
+                f"({_v(raw, ONE_KERNEL_TARGET_RAW)}), "
+                f"reduce-overhead {_x(_variant_vs_raw(rows, r['workload'], 'inductor-ro'))} "
+                "of raw replay"
             )
         else:
             lines.append(
@@ -211,13 +273,9 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _ro_vs_raw(rows: list[dict[str, Any]], workload: str) -> float | None:
+def _variant_vs_raw(rows: list[dict[str, Any]], workload: str, variant: str) -> float | None:
     return next(
-        (
-            r.get("vs_raw")
-            for r in rows
-            if r["workload"] == workload and r["variant"] == "inductor-ro"
-        ),
+        (r.get("vs_raw") for r in rows if r["workload"] == workload and r["variant"] == variant),
         None,
     )
 
@@ -238,10 +296,116 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"comma-separated subset of: {', '.join(c.name for c in CASES)}",
     )
+    parser.add_argument(
+        "--micro",
+        action="store_true",
+        help="time the runtime's per-call path on the host with a no-op replay",
+    )
+
+
+# --- --micro: the runtime's per-call path on the host --------------------------------------
+
+
+class _NoopGraph:
+    def replay(self) -> None:
+        pass
+
+
+class _NoopCapturer:
+    """Captures by running the segment once; a replay does nothing, so what is
+    timed is the runtime's own per-call work (dispatch, checks, copies, aliases)."""
+
+    def new_pool_handle(self) -> Any:
+        return object()
+
+    def capture(self, fn: Any, inputs: list[Any], pool: Any) -> tuple[Any, list[Any]]:
+        return _NoopGraph(), list(fn(list(inputs)))
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+    def replayer(self, graph: Any) -> Callable[[], object]:
+        replay: Callable[[], object] = graph.replay
+        return replay
+
+    def reserved(self) -> int:
+        return 0
+
+    def pool_bytes(self, before: int) -> int:
+        return 0
+
+
+def _micro_cases() -> dict[str, tuple[Callable[..., Any], list[torch.Tensor], tuple[int, ...]]]:
+    x = torch.randn(1024)
+    params = [torch.nn.Parameter(torch.randn(16, 16)) for _ in range(6)]
+
+    def mlp(h: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+        for w in ws:
+            h = torch.relu(h @ w)
+        return h
+
+    return {
+        "one_kernel, input copied": (lambda t: t * 2 + 1, [x], ()),
+        "one static input in place": (lambda t, w: t * w, [x, torch.randn(1024)], (1,)),
+        "6 parameters, 1 input copied": (mlp, [torch.randn(8, 16), *params], tuple(range(1, 7))),
+        "3 outputs": (lambda t: (t + 1, t * 2, t - 1), [x], ()),
+    }
+
+
+def micro(calls: int = 20000, rounds: int = 15) -> list[dict[str, Any]]:
+    """Microseconds per call of ``build_runtime``'s callable with a no-op replay,
+    beside the same loop calling a bare no-op replay (the floor)."""
+    import gc
+    import time
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import loom_cudagraph as cg
+
+    steps: dict[str, Callable[[], Any]] = {}
+    noop = _NoopGraph().replay
+    steps["bare replay (floor)"] = noop
+    for name, (fn, inputs, static) in _micro_cases().items():
+        gm = make_fx(fn)(*inputs)
+        plan = cg.plan_graph(
+            gm, inputs, static, cg.CudagraphOptions(), name=name, device=torch.device("cpu")
+        )
+        run = cg.build_runtime(plan, gm, example_inputs=inputs, capturer=_NoopCapturer())
+        steps[name] = lambda run=run, inputs=inputs: run(list(inputs))
+    for run in steps.values():
+        for _ in range(10):  # warm-up, record, replays
+            run()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for name, run in steps.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    run()
+                samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    finally:
+        gc.enable()
+    rows = []
+    for name, us in samples.items():
+        t = Timing(tuple(v / 1e6 for v in us))
+        rows.append({"case": name, "median_us": t.median_s * 1e6, "p10_us": t.p10_s * 1e6})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__.splitlines()[0] if __doc__ else "", argv, _configure)
+    if args.micro:
+        rows = micro()
+        print(format_table(rows))
+        if not args.no_append:
+            notes = "Microseconds per call of the runtime with a replay that does nothing."
+            path = append_results(
+                "cudagraph", "CUDA-graph runtime per-call path on the host", rows, notes
+            )
+            print(f"appended to {path}")
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
