@@ -1,5 +1,6 @@
 """A base class for higher-order operators that invoke one subgraph and survive until codegen; the hook tracer (a symbolic interpreter of CPython 3.11/3.12 bytecode turning a hook into an FX graph, a replay plan, guards and a fingerprint); the passes that place saved-tensor pack/unpack subgraphs where they save memory; backward hooks on intermediate tensors."""
 
+from loom_hops._grad_hooks import bound_hook_count, grad_hook
 from loom_hops._hook_graphs import GraphModuleHooks, HookGraphs, PackedLayout, TracedPack
 from loom_hops._hook_hops import PackHookOp, UnpackHookOp, pack_hook_op, unpack_hook_op
 from loom_hops._inline import inline_subgraph_hops
@@ -56,9 +57,11 @@ __all__ = [
     "Unsupported",
     "__version__",
     "active_saved_tensors_hooks",
+    "bound_hook_count",
     "count_forward_outputs",
     "eager_saved_tensors_hooks_disabled",
     "fingerprint_hooks",
+    "grad_hook",
     "inline_subgraph_hops",
     "install_hooks_guard",
     "native_hook_inlining_disabled",
