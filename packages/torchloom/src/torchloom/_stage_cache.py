@@ -8,19 +8,25 @@ partitioning and codegen are all skipped, and it replays the report entries
 the cold compilation made (hook placement, plans). On a miss it compiles cold,
 captures the bundled result and stores it. A cache problem of any kind is a
 miss with a logged reason; it never fails a compilation.
+
+A stage whose decisions depend on more than the options, or must be redone on a
+hit (the CUDA-graph stage: its op registry, its plans' skip messages), takes
+part as a :class:`CachedStage`: its settings enter the key, its payload (plain
+data) is stored with the artifact, and a hit hands the payload back to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 import logging
 import os
 import pickle
 import re
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any, Final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Protocol, runtime_checkable
 
 import torch
 from torch.fx import GraphModule
@@ -29,11 +35,11 @@ import loom_cache
 from torchloom import _torch_compat as compat
 from torchloom._stages import Codegen, GraphContext, GraphKind, PipelineStage
 
-__all__ = ["CacheStage", "cache_store"]
+__all__ = ["CacheStage", "CachedStage", "cache_store"]
 
 log = logging.getLogger("torchloom.cache")
 
-ARTIFACT_FORMAT: Final = 1
+ARTIFACT_FORMAT: Final = 2
 _LOOM_DISTRIBUTIONS: Final = (
     "torchloom",
     "torchloom-cache",
@@ -58,15 +64,45 @@ def cache_store() -> loom_cache.TieredStore:
         return _stores[ident]
 
 
+@runtime_checkable
+class CachedStage(Protocol):
+    """A pipeline stage whose work a cache hit must key on and redo.
+
+    ``cache_settings`` returns what decides the stage's result beyond the
+    options (JSON-able, it becomes the key component named after the stage), or
+    ``None`` when the stage does nothing for this graph. ``cache_payload``
+    returns plain, picklable data stored with the artifact (``None``: nothing).
+    On a hit, ``replay_cached`` gets that payload back and re-makes the stage's
+    report entries and messages; the stored entries of the stage's area are
+    not replayed for it.
+    """
+
+    name: str
+
+    def cache_settings(self, ctx: GraphContext) -> Mapping[str, Any] | None: ...
+
+    def cache_payload(self, ctx: GraphContext) -> Any: ...
+
+    def replay_cached(self, ctx: GraphContext, payload: Any) -> None: ...
+
+
+def _cached_stages() -> list[CachedStage]:
+    from torchloom._stages import STAGES
+
+    return [s for s in STAGES if isinstance(s, CachedStage)]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Artifact:
-    """What a hit needs: AOTAutograd's bundled result and the report the cold
-    compilation made (entries and graphs of the other stages)."""
+    """What a hit needs: AOTAutograd's bundled result, the report the cold
+    compilation made (entries and graphs of the other stages) and the payloads
+    of the :class:`CachedStage` stages, by stage name."""
 
     format: int
     aot_result: bytes
     entries: tuple[tuple[str, str, str, tuple[tuple[str, Any], ...]], ...]
     graphs: tuple[tuple[str, str], ...]
+    stages: tuple[tuple[str, Any], ...] = ()
 
 
 def _versions() -> str:
@@ -160,7 +196,7 @@ class CacheStage(PipelineStage):
             device=_device(ctx.example_inputs),
             backend=("loom", _versions()),
             options=options,
-            extra=[hooks_component],
+            extra=[hooks_component, *_stage_components(ctx)],
         )
 
     def wrap_backend(
@@ -297,14 +333,17 @@ class CacheStage(PipelineStage):
                 ),
             )
             return
-        entries = tuple(
-            (e.area, e.kind, e.message, _picklable(e.data))
-            for e in record.entries[first_entry:]
-            if e.area != "cache"
-        )
-        graphs = record.graphs[first_graph:]
-        artifact = Artifact(ARTIFACT_FORMAT, slot.saved, entries, graphs)
         try:
+            payloads = ((s.name, s.cache_payload(ctx)) for s in _cached_stages())
+            stages = tuple((name, p) for name, p in payloads if p is not None)
+            owned = {"cache", *(name for name, _ in stages)}
+            entries = tuple(
+                (e.area, e.kind, e.message, _picklable(e.data))
+                for e in record.entries[first_entry:]
+                if e.area not in owned
+            )
+            graphs = record.graphs[first_graph:]
+            artifact = Artifact(ARTIFACT_FORMAT, slot.saved, entries, graphs, stages)
             payload = pickle.dumps(artifact)
             store.put(loom_cache.Entry(key, payload, (("loom", _versions()),)))
         except Exception as err:
@@ -320,6 +359,27 @@ class CacheStage(PipelineStage):
             ctx.record.add_entry(area, kind, message, **dict(data))
         for kind, code in artifact.graphs:
             ctx.record.add_graph(kind, code)
+        payloads = dict(artifact.stages)
+        for stage in _cached_stages():
+            if stage.name in payloads:
+                stage.replay_cached(ctx, payloads[stage.name])
+
+
+def _stage_components(ctx: GraphContext) -> list[loom_cache.KeyComponent]:
+    """One key component per :class:`CachedStage` with settings for this graph."""
+    components = []
+    for stage in _cached_stages():
+        settings = stage.cache_settings(ctx)
+        if settings is not None:
+            items = dict(sorted(settings.items()))
+            components.append(
+                loom_cache.KeyComponent(
+                    stage.name,
+                    loom_cache.stable_digest(items),
+                    json.dumps(items, sort_keys=True, default=str),
+                )
+            )
+    return components
 
 
 def _later_stage_compiles(stage: PipelineStage) -> bool:

@@ -7,12 +7,20 @@ segments are wrapped in loom's capture/replay runtime. The forward and
 backward of one Dynamo graph share a memory pool. Every segment and every skip
 is an entry of ``torchloom.report()`` under the area ``"cudagraph"``; with
 ``cudagraph_or_error`` (or ``TORCHLOOM_CUDAGRAPH_OR_ERROR=1``) a skip raises.
+
+The stage is a :class:`~torchloom._stage_cache.CachedStage`: its effective
+options and the op registry enter the cache key, every plan is stored as JSON,
+and a hit re-makes the plans' report entries and skip messages from them while
+each captured graph's runtime is reassembled from its stored segments (no AOT
+tracing, no planning, no codegen).
 """
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +36,11 @@ __all__ = ["CudagraphStage", "cudagraph_stats"]
 log = logging.getLogger("torchloom.cudagraph")
 
 _runtimes: list[loom_cudagraph.CudagraphRuntime] = []
+#: The graph being compiled, so that a runtime rebuilt from the cache joins it
+#: (its pool, its report) as the cold compile's runtime did.
+_compiling: contextvars.ContextVar[GraphContext | None] = contextvars.ContextVar(
+    "torchloom_cudagraph_compiling", default=None
+)
 
 
 def cudagraph_stats() -> list[loom_cudagraph.RuntimeStats]:
@@ -45,17 +58,59 @@ def _options(ctx: GraphContext) -> loom_cudagraph.CudagraphOptions:
     ).with_env()
 
 
+def _graph_name(ctx: GraphContext, kind: GraphKind) -> str:
+    return f"graph {ctx.graph_id} {kind.value}"
+
+
+def _pool(ctx: GraphContext, plan: loom_cudagraph.PartitionPlan, stage: CudagraphStage) -> Any:
+    """The memory pool the forward and backward of one Dynamo graph share."""
+    state = ctx.state.setdefault(CudagraphStage.name, {})
+    if state.get("pool") is None:
+        state["pool"] = loom_cudagraph.new_pool(plan.device, stage.capturer)
+    return state["pool"]
+
+
 def _runtime_from_code(code: compat.SegmentedOutputCode) -> Callable[[list[Any]], Any]:
-    """Rebuild the runtime of a cached graph: same plan, same skips reported."""
+    """Rebuild the runtime of a cached graph from its stored plan and segments.
+
+    Inside a loom compilation (a cache hit) the runtime joins that graph as the
+    cold one did: named after it, sharing its pool, reporting recordings to
+    its record; the stage's ``replay_cached`` reports the plan's skips. Outside
+    one, it reports the skips itself.
+    """
     from torchloom._stages import STAGES
 
     plan = loom_cudagraph.PartitionPlan.from_json(code.plan_json)
-    stage = next((s for s in STAGES if isinstance(s, CudagraphStage)), None)
-    capturer = stage.capturer if stage is not None else None
-    pool = code.pool or loom_cudagraph.new_pool(plan.device, capturer)
-    runtime = loom_cudagraph.assemble_runtime(
-        plan, code.segments, output_constants=code.output_constants, pool=pool, capturer=capturer
-    )
+    stage = next((s for s in STAGES if isinstance(s, CudagraphStage)), CudagraphStage())
+    ctx = _compiling.get()
+    if ctx is None:
+        pool = code.pool or loom_cudagraph.new_pool(plan.device, stage.capturer)
+        runtime = loom_cudagraph.assemble_runtime(
+            plan,
+            code.segments,
+            output_constants=code.output_constants,
+            pool=pool,
+            capturer=stage.capturer,
+        )
+    else:
+        kind = (
+            GraphKind.BACKWARD
+            if code.is_backward
+            else GraphKind.INFERENCE
+            if code.is_inference
+            else GraphKind.FORWARD
+        )
+        plan = dataclasses.replace(plan, graph=_graph_name(ctx, kind))
+        runtime = loom_cudagraph.assemble_runtime(
+            plan,
+            code.segments,
+            output_constants=code.output_constants,
+            pool=_pool(ctx, plan, stage),
+            capturer=stage.capturer,
+            listener=_listener(ctx),
+            report_skips=False,
+        )
+        ctx.state[CudagraphStage.name].setdefault("runtimes", []).append(runtime)
     _runtimes.append(runtime)
     return runtime
 
@@ -113,6 +168,7 @@ class CudagraphStage(PipelineStage):
         compile_cold: Callable[[], Callable[..., Any]],
     ) -> Callable[..., Any]:
         # ``cudagraph_or_error`` is a request to fail, not to fall back to eager.
+        token = _compiling.set(ctx)
         try:
             return compile_cold()
         except LoomRefusal as refusal:
@@ -120,6 +176,8 @@ class CudagraphStage(PipelineStage):
             if error is not None:
                 raise error from None
             raise
+        finally:
+            _compiling.reset(token)
 
     def compile(
         self,
@@ -136,27 +194,19 @@ class CudagraphStage(PipelineStage):
         # NOTE: a backward's "fixed" inputs are saved activations, not parameters;
         # the runtime finds parameters and loom-managed tensors itself.
         static = () if kind is GraphKind.BACKWARD else tuple(static_input_idxs)
-        graph = f"graph {ctx.graph_id} {kind.value}"
+        graph = _graph_name(ctx, kind)
         plan = loom_cudagraph.plan_graph(
             gm, example_inputs, static, options, name=graph, device=self.device
         )
-        self._record_plan(ctx, plan)
-        if plan.device is None:
+        plans = ctx.state.setdefault(self.name, {}).setdefault("plans", [])
+        outcome = self._outcome(plan)
+        plans.append({"kind": kind.value, "outcome": outcome, "plan": plan.to_json()})
+        self._report_plan(ctx, plan, outcome)
+        if outcome != "captured":
+            # Nothing to capture: the graph compiles whole (its skips were
+            # still logged, counted and raised under or_error).
             return None
-        if self.capturer is None and not torch.cuda.is_available():
-            ctx.record.add_entry("cudagraph", "disabled", f"{graph}: no CUDA device available")
-            return None
-        if not plan.captured_segments:
-            # Nothing to capture: the graph compiles whole, but its skips are
-            # still logged, counted and raised under or_error.
-            loom_cudagraph.report_plan_skips(plan)
-            return None
-        state = ctx.state.setdefault(self.name, {})
-        pool = state.get("pool")
-        if pool is None:
-            pool = loom_cudagraph.new_pool(plan.device, self.capturer)
-            state["pool"] = pool
-        loom_cudagraph.report_plan_skips(plan)
+        pool = _pool(ctx, plan, self)
         eager = ctx.options.codegen == "eager"
         with compat.segment_codegen_strides(gm) as before_segment:
 
@@ -193,8 +243,57 @@ class CudagraphStage(PipelineStage):
         )
         code.output_strides = compat.graph_output_strides(gm)
         _runtimes.append(runtime)
-        state.setdefault("runtimes", []).append(runtime)
+        ctx.state[self.name].setdefault("runtimes", []).append(runtime)
         return code
+
+    # --- the cache: settings in the key, plans stored, entries re-made on a hit ---
+
+    def cache_settings(self, ctx: GraphContext) -> Mapping[str, Any] | None:
+        """Everything beyond the options that decides the plans: the effective
+        options (environment included), the op registry and the capturer."""
+        if not ctx.options.cudagraphs:
+            return None
+        return {
+            **_options(ctx).to_dict(),
+            "rules": sorted(
+                f"{r.name}: {r.kind.value}: {r.explanation} ({r.hint})"
+                for r in loom_cudagraph.registered_rules()
+            ),
+            "capturer": type(self.capturer).__name__ if self.capturer else "cuda",
+            "device": self.device,
+        }
+
+    def cache_payload(self, ctx: GraphContext) -> Any:
+        """The plans of this graph, as JSON, with what became of each."""
+        plans = ctx.state.get(self.name, {}).get("plans")
+        return tuple(tuple(sorted(p.items())) for p in plans) if plans else None
+
+    def replay_cached(self, ctx: GraphContext, payload: Any) -> None:
+        """A hit: the cold compile's entries and skip messages, from its plans."""
+        for item in payload:
+            stored = dict(item)
+            kind = GraphKind(stored["kind"])
+            plan = loom_cudagraph.PartitionPlan.from_json(stored["plan"])
+            plan = dataclasses.replace(plan, graph=_graph_name(ctx, kind))
+            self._report_plan(ctx, plan, stored["outcome"])
+
+    def _outcome(self, plan: loom_cudagraph.PartitionPlan) -> str:
+        if plan.device is None:
+            return "no-device"
+        if self.capturer is None and not torch.cuda.is_available():
+            return "disabled"
+        return "captured" if plan.captured_segments else "uncaptured"
+
+    def _report_plan(
+        self, ctx: GraphContext, plan: loom_cudagraph.PartitionPlan, outcome: str
+    ) -> None:
+        """The plan's report entries, then (when it runs on a device) its skips
+        logged, counted and raised under or_error."""
+        self._record_plan(ctx, plan)
+        if outcome == "disabled":
+            ctx.record.add_entry("cudagraph", "disabled", f"{plan.graph}: no CUDA device available")
+        elif outcome in ("captured", "uncaptured"):
+            loom_cudagraph.report_plan_skips(plan)
 
     def _record_plan(self, ctx: GraphContext, plan: loom_cudagraph.PartitionPlan) -> None:
         for seg in plan.segments:

@@ -397,8 +397,7 @@ class SegmentedOutputCode(_OutputCode):
 
     Pickling keeps the plan (JSON), the segments' own ``OutputCode`` objects and
     the graph's constant outputs; after loading, :meth:`post_compile` reloads
-    each Inductor segment as Inductor's cache would, and the runtime is rebuilt
-    on first use.
+    each Inductor segment as Inductor's cache would and rebuilds the runtime.
     """
 
     def __init__(
@@ -467,6 +466,9 @@ class SegmentedOutputCode(_OutputCode):
         if strides is not None:
             strides.clear()
             strides.extend(self.output_strides)
+        # Now, inside the compilation: the factory joins the runtime to the graph
+        # being compiled (its memory pool and report).
+        self.runtime = self.factory(self)
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass
