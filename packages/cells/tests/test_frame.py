@@ -351,7 +351,9 @@ def test_a_value_staged_in_a_made_cell_is_read_by_the_nested_function_capturing_
     se = SideEffects()
     cells = CellModel(se)
     frame = FrameCells(cells, outer.__code__, ())
+    assert "x" not in frame
     frame.make_cell("x")
+    assert "x" in frame and "y" not in frame
     staged = object()  # a tracer's own symbolic value
     frame.stage("x", staged)
     inner_code = code_of(outer, "inner")

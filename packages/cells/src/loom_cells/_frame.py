@@ -86,6 +86,10 @@ class FrameCells:
     def names(self) -> tuple[str, ...]:
         return tuple(self._cells)
 
+    def __contains__(self, name: object) -> bool:
+        """Whether ``name`` is bound to a cell in this frame now."""
+        return name in self._cells
+
     def load(self, name: str, *, guard: bool = True) -> Value:
         """``LOAD_DEREF name`` (see :meth:`CellModel.load` for ``guard``)."""
         return self.model.load(self.cell(name), guard=guard)

@@ -1098,6 +1098,29 @@ def cells_argument_captured_and_rebound_by_nested_functions() -> Setup:
     return Setup(with_globals(h_argument_in_cell), (t43(),))
 
 
+def h_comprehension_cells(t):
+    k = 10
+    fs = [lambda: k for k in range(3)]  # noqa: B023  (late binding on purpose: all see 2)
+    return t * (sum([f() for f in fs]) + k)
+
+
+@case()
+def cells_comprehension_makes_its_own_cell_beside_an_outer_local() -> Setup:
+    return Setup(with_globals(h_comprehension_cells), (t43(),))
+
+
+def h_comprehension_shadows_outer_cell(t):
+    k = 10
+    get_k = lambda: k  # noqa: E731
+    fs = [lambda: k for k in range(3)]  # noqa: B023
+    return t * (sum([f() for f in fs]) + get_k() + k)
+
+
+@case()
+def cells_comprehension_cell_shadows_an_outer_cell() -> Setup:
+    return Setup(with_globals(h_comprehension_shadows_outer_cell), (t43(),))
+
+
 # ------------------------------------------------------------------ refused hooks
 
 

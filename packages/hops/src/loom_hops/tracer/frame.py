@@ -66,6 +66,7 @@ class Frame:
         self.lineno = self.code.co_firstlineno
         self.filename = os.path.basename(self.code.co_filename)
         # NOTE: cell variables are made by the MAKE_CELL handler, as CPython does.
+        self.cell_names = frozenset(self.code.co_cellvars + self.code.co_freevars)
         try:
             self.cells = FrameCells(ctx.cells, self.code, fn.closure)
         except CellRefused as exc:

@@ -58,10 +58,12 @@ def _load_fast(frame: Frame, inst: dis.Instruction) -> None:
 @handles("LOAD_FAST_AND_CLEAR", when=PY312)
 def _load_fast_and_clear(frame: Frame, inst: dis.Instruction) -> None:
     name = inst.argval
-    if name in frame.code.co_cellvars:
-        # NOTE: 3.12 inlined comprehension with its own cell `name`: save the outer cell.
+    if name in frame.cell_names and name in frame.cells:
+        # NOTE: 3.12 inlined comprehension with its own cell `name`: the slot
+        # holds the outer cell, saved here and restored by STORE_FAST.
         saved = frame.cells.rebind(name, None)
-        frame.push(CellRefV(saved) if saved is not None else NULL)
+        assert saved is not None
+        frame.push(CellRefV(saved))
         return
     frame.push(frame.locals.pop(name, NULL))
 
@@ -70,10 +72,13 @@ def _load_fast_and_clear(frame: Frame, inst: dis.Instruction) -> None:
 def _store_fast(frame: Frame, inst: dis.Instruction) -> None:
     name = inst.argval
     value = frame.pop()
-    if name in frame.code.co_cellvars and (value is NULL or isinstance(value, CellRefV)):
-        # 3.12: the end of an inlined comprehension restores the outer cell (or none).
+    if name in frame.cell_names:
+        # 3.12: a slot shared by a local and a comprehension's cell holds one or the other.
         frame.cells.rebind(name, value.cell if isinstance(value, CellRefV) else None)
-    elif value is NULL:
+        if isinstance(value, CellRefV):
+            frame.locals.pop(name, None)
+            return
+    if value is NULL:
         frame.locals.pop(name, None)
     else:
         frame.locals[name] = value
