@@ -9,6 +9,7 @@ graphs, cache) as pipeline stages, codegen per graph, and the runtime.
 >>> torchloom.reset(); y = f(torch.randn(4)); print(torchloom.report())  # doctest: +SKIP
 """
 
+from loom_hops import grad_hook
 from torchloom._api import reset
 from torchloom._backend import loom_backend
 from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
@@ -37,6 +38,7 @@ __all__ = [
     "StageRecord",
     "Unsupported",
     "__version__",
+    "grad_hook",
     "loom_backend",
     "report",
     "reset",
