@@ -424,3 +424,45 @@ def test_record_calls_gives_the_runtime_and_the_inputs_its_caller_passed() -> No
     (out,) = rec.runtime(list(rec.inputs))
     torch.testing.assert_close(out, x * w + 1)
     assert cap.replays == replays + 1
+
+
+def test_input_that_keeps_its_address_is_read_in_place_without_a_copy() -> None:
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return x + y
+
+    x = torch.randn(3)
+    x_eager = x.clone()
+    run, cap = compile_host(f, x.clone(), torch.randn(3))  # tracing runs f
+    for _ in range(6):
+        y = torch.randn(3)  # a fresh tensor every call: copied
+        x.add_(1)  # changed by the user between calls, at the same address
+        x_eager.add_(1)
+        want = f(x_eager, y)
+        torch.testing.assert_close(call(run, x, y)[0], want)
+        torch.testing.assert_close(x, x_eager)  # mutated in place by the replay itself
+    rec = run._steps[0][0]._hot  # type: ignore[attr-defined]
+    assert rec.inplace_idx == [0] and rec.stable_idx == [0] and rec.copy_idx == [1]
+    assert rec.copyback_idx == []
+    assert cap.captures == 1 and cap.replays == 5
+
+
+def test_stable_input_that_moves_is_copied_from_then_on_without_spending_budget(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    x = torch.randn(3)
+    run, cap = compile_host(lambda t: t * 3, x, max_recording=1)
+    with caplog.at_level(logging.WARNING, logger="torchloom.cudagraph"):
+        for _ in range(3):  # warm-up, record (x in place), replay
+            torch.testing.assert_close(call(run, x)[0], x * 3)
+        kept = []
+        for _ in range(5):  # a new tensor every call
+            kept.append(torch.randn(3))
+            torch.testing.assert_close(call(run, kept[-1])[0], kept[-1] * 3)
+        torch.testing.assert_close(call(run, x)[0], x * 3)  # the first recording again
+    (seg,) = run.stats().segments
+    assert seg.captured and seg.uncaptured_calls == 1 and seg.recordings == 2
+    assert cap.captures == 2 and cap.replays == 8
+    copying = run._steps[0][0]._tables[None].recordings[1]  # type: ignore[attr-defined]
+    assert copying.copy_idx == [0] and copying.stable_idx == []
+    assert not [r for r in caplog.records if "rerecord_budget" in r.getMessage()]

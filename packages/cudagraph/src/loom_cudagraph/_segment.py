@@ -2,8 +2,10 @@
 
 Per distinct input shape (one key for static graphs) a segment keeps up to
 ``max_recording`` recordings, dispatched by the addresses of the inputs used
-in place (parameters, buffers, outputs of other loom CUDA graphs). Other
-tensor inputs are copied into static buffers. Which inputs are used in place,
+in place (parameters, buffers, outputs of other loom CUDA graphs, and inputs
+that kept their address from the warm-up to the recording). Other tensor
+inputs are copied into static buffers; once an input used in place only for
+its stable address moves, that shape copies such inputs from then on. Which inputs are used in place,
 copied, or copied back after a mutation is decided once, when a recording is
 made, together with the callables the per-call path runs: one pointer check
 in C++ (only when some input is used in place), the output-liveness check,
@@ -125,6 +127,7 @@ class _Recording:
         "ptrs",
         "replay",
         "retired",
+        "stable_idx",
         "table",
         "watch",
     )
@@ -135,6 +138,8 @@ class _Recording:
         self.order = -1
         self.graph: Any = None
         self.inplace_idx: list[int] = []
+        #: the in-place inputs that are there only because their address held still
+        self.stable_idx: list[int] = []
         self.ptrs: list[int | None] = []
         self.copy_idx: list[int] = []
         self.bufs: list[torch.Tensor] = []
@@ -194,7 +199,8 @@ class _Table:
         "owner",
         "recordings",
         "retires",
-        "warmed",
+        "unstable",
+        "warm_ptrs",
     )
 
     def __init__(self, owner: CapturedSegment) -> None:
@@ -205,8 +211,11 @@ class _Table:
         self.made = 0
         self.buffers = 0
         self.retires = 0
-        self.warmed = False
         self.exhausted = False
+        #: data pointers of the warm-up call's inputs (``None`` for non-tensors)
+        self.warm_ptrs: list[int | None] = []
+        #: an input used in place for its stable address moved: copy such inputs
+        self.unstable = False
 
     def find(self, inputs: list[Any]) -> _Recording | None:
         for rec in self.recordings:
@@ -369,13 +378,22 @@ class CapturedSegment:
         # NOTE: the warm-up is the user's call itself (it draws the same random
         # numbers as uncaptured compiled code would), so its result is returned.
         self._tables[key] = table = _Table(self)
-        table.warmed = True
+        table.warm_ptrs = [
+            v.data_ptr() if isinstance(v, torch.Tensor) and v.layout == torch.strided else None
+            for v in inputs
+        ]
 
     def _record(
         self, table: _Table, inputs: list[Any], alternate: bool = False
     ) -> _Recording | None:
         opts = self.spec.options
         limit = max(1, opts.max_recording)
+        if not table.unstable and _stable_input_moved(table, inputs):
+            # NOTE: not a static input's new address: no budget is spent, and
+            # this shape copies such inputs from now on.
+            log.debug("cudagraph: %s: an input with a stable address moved", self.spec.name)
+            table.unstable = True
+            alternate = True
         if (not alternate and table.made >= limit) or table.retires > limit:
             if not table.exhausted:
                 table.exhausted = True
@@ -406,6 +424,9 @@ class CapturedSegment:
                 or v.device != self.device
             ):
                 rec.inplace_idx.append(i)
+            elif not table.unstable and v.data_ptr() == table.warm_ptrs[i]:
+                rec.inplace_idx.append(i)
+                rec.stable_idx.append(i)
             else:
                 rec.copy_idx.append(i)
         rec.ptrs = [None] * len(inputs)
@@ -483,7 +504,7 @@ class CapturedSegment:
         last = table.last or (table.recordings[-1] if table.recordings else None)
         moved = []
         if last is not None:
-            for i in last.inplace_idx:
+            for i in sorted(set(last.inplace_idx) - set(last.stable_idx)):
                 new = inputs[i].data_ptr() if isinstance(inputs[i], torch.Tensor) else None
                 if new != last.ptrs[i]:
                     moved.append(i)
@@ -538,6 +559,13 @@ class CapturedSegment:
             pool_bytes=self.pool_bytes,
             copied_out=tuple(copied),
         )
+
+
+def _stable_input_moved(table: _Table, inputs: list[Any]) -> bool:
+    """Whether an input that a recording uses in place for its stable address moved."""
+    return any(
+        inputs[i].data_ptr() != rec.ptrs[i] for rec in table.recordings for i in rec.stable_idx
+    )
 
 
 def _hex(ptr: int | None) -> str:
