@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -206,3 +207,32 @@ def test_hooking_a_tensor_without_grad_is_refused_as_register_hook_does() -> Non
         grad_hook(torch.randn(2), print)
     with pytest.raises(TypeError, match="at least one hook"):
         grad_hook(torch.randn(2, requires_grad=True))
+
+
+class _Recorder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.calls = 0
+        self.tags: list[str] = []
+
+    def count(self, g: torch.Tensor) -> None:
+        self.calls += 1
+
+    def tag(self, name: str, g: torch.Tensor) -> None:
+        self.tags.append(name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = grad_hook(self.lin(x), self.count, functools.partial(self.tag, "p"))
+        return h.sum()
+
+
+def test_bound_methods_and_partials_as_hooks_compile_once() -> None:
+    model = _Recorder()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    x = torch.randn(2, 3)
+    for _ in range(3):
+        compiled(x).backward()
+    assert (model.calls, model.tags) == (3, ["p", "p", "p"])
+    assert counter.frame_count == 1

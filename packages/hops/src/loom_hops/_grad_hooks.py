@@ -88,6 +88,16 @@ def bound_hook_count() -> int:
     return len(_bound)
 
 
+def _check_callable(fns: tuple[GradHook, ...]) -> None:
+    # NOTE: not in the traced part of grad_hook: Dynamo 2.11 cannot evaluate
+    # callable() on a bound builtin such as `sink.append`.
+    for fn in fns:
+        if not callable(fn):
+            raise TypeError(
+                f"torchloom.grad_hook: a hook must be callable, got {type(fn).__name__}"
+            )
+
+
 @torch.library.custom_op("loom::grad_tap", mutates_args=(), tags=_TAGS)
 def _grad_tap(y: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:
     _settle(site)  # the previous call of this site, whose hooks are stored by now
@@ -117,6 +127,7 @@ def _run_grad_hooks(grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
             "compiled region between the forward graph and that store. Run the forward and "
             "backward of one compiled region on one thread at a time."
         )
+    _check_callable(fns)
     # NOTE: the hooks see a private copy: Inductor may reuse the storage of `grad`
     # once this op has read it, and a hook may keep what it is given.
     current = grad.clone()
@@ -175,16 +186,15 @@ def grad_hook(y: torch.Tensor, *fns: GradHook) -> torch.Tensor:
     >>> grads = []
     >>> @torch.compile(backend="loom", fullgraph=True)
     ... def f(x):
-    ...     y = grad_hook(x * 2, grads.append)
+    ...     y = grad_hook(x * 2, lambda g: grads.append(g))
     ...     return (y * y).sum()
+
+    Pass ``lambda g: grads.append(g)`` rather than ``grads.append``: Dynamo
+    guards on the length of a list whose bound method it sees, so the latter
+    recompiles each time the list grows.
     """
     if not fns:
         raise TypeError("torchloom.grad_hook(y, *fns) needs at least one hook")
-    for fn in fns:
-        if not callable(fn):
-            raise TypeError(
-                f"torchloom.grad_hook: a hook must be callable, got {type(fn).__name__}"
-            )
     if not y.requires_grad:
         raise RuntimeError(
             "torchloom.grad_hook: cannot hook a tensor that doesn't require grad "
@@ -195,5 +205,6 @@ def grad_hook(y: torch.Tensor, *fns: GradHook) -> torch.Tensor:
     out, _token = torch.ops.loom.grad_tap(y, site.number)
     site.fns = fns
     if not torch.compiler.is_compiling():
+        _check_callable(fns)
         _settle(site.number)
     return out  # type: ignore[no-any-return]
