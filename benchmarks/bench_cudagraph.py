@@ -37,6 +37,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib
+import itertools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -335,43 +337,59 @@ class _NoopCapturer:
         return 0
 
 
-def _micro_cases() -> dict[str, tuple[Callable[..., Any], list[torch.Tensor], tuple[int, ...]]]:
-    x = torch.randn(1024)
+MicroCase = tuple[Callable[..., Any], list[list[torch.Tensor]], tuple[int, ...]]
+
+
+def _micro_cases() -> dict[str, MicroCase]:
+    """``(fn, inputs, static)``: calls cycle through ``inputs`` (two lists: every
+    call passes tensors at other addresses than the one before, so they are copied)."""
+    x, y, w = torch.randn(1024), torch.randn(1024), torch.randn(1024)
     params = [torch.nn.Parameter(torch.randn(16, 16)) for _ in range(6)]
+    h = torch.randn(8, 16)
 
     def mlp(h: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
         for w in ws:
             h = torch.relu(h @ w)
         return h
 
+    def one(t: torch.Tensor) -> torch.Tensor:
+        return t * 2 + 1
+
     return {
-        "one_kernel, input copied": (lambda t: t * 2 + 1, [x], ()),
-        "one static input in place": (lambda t, w: t * w, [x, torch.randn(1024)], (1,)),
-        "6 parameters, 1 input copied": (mlp, [torch.randn(8, 16), *params], tuple(range(1, 7))),
-        "3 outputs": (lambda t: (t + 1, t * 2, t - 1), [x], ()),
+        "one_kernel, same input (read in place)": (one, [[x]], ()),
+        "one_kernel, input moves (copied)": (one, [[x], [y]], ()),
+        "one static input in place + 1 copied": (lambda t, w: t * w, [[x, w], [y, w]], (1,)),
+        "6 parameters + 1 same input": (mlp, [[h, *params]], tuple(range(1, 7))),
+        "3 outputs, same input": (lambda t: (t + 1, t * 2, t - 1), [[x]], ()),
     }
 
 
-def micro(calls: int = 20000, rounds: int = 15) -> list[dict[str, Any]]:
+def _micro_step(run: Callable[[list[Any]], Any], inputs: list[list[torch.Tensor]]) -> Step:
+    if len(inputs) == 1:
+        (only,) = inputs
+        return lambda: run(list(only))
+    turn = itertools.cycle(inputs)
+    return lambda: run(list(next(turn)))
+
+
+def micro(module: Any = None, calls: int = 20000, rounds: int = 15) -> list[dict[str, Any]]:
     """Microseconds per call of ``build_runtime``'s callable with a no-op replay,
-    beside the same loop calling a bare no-op replay (the floor)."""
+    beside the same loop calling a bare no-op replay (the floor); ``module`` is
+    ``loom_cudagraph`` or another build of it (to compare two versions)."""
     import gc
     import time
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    import loom_cudagraph as cg
-
-    steps: dict[str, Callable[[], Any]] = {}
-    noop = _NoopGraph().replay
-    steps["bare replay (floor)"] = noop
+    cg = module or importlib.import_module("loom_cudagraph")
+    steps: dict[str, Step] = {"bare replay (floor)": _NoopGraph().replay}
     for name, (fn, inputs, static) in _micro_cases().items():
-        gm = make_fx(fn)(*inputs)
+        gm = make_fx(fn)(*inputs[0])
         plan = cg.plan_graph(
-            gm, inputs, static, cg.CudagraphOptions(), name=name, device=torch.device("cpu")
+            gm, inputs[0], static, cg.CudagraphOptions(), name=name, device=torch.device("cpu")
         )
-        run = cg.build_runtime(plan, gm, example_inputs=inputs, capturer=_NoopCapturer())
-        steps[name] = lambda run=run, inputs=inputs: run(list(inputs))
+        run = cg.build_runtime(plan, gm, example_inputs=inputs[0], capturer=_NoopCapturer())
+        steps[name] = _micro_step(run, inputs)
     for run in steps.values():
         for _ in range(10):  # warm-up, record, replays
             run()
@@ -384,14 +402,17 @@ def micro(calls: int = 20000, rounds: int = 15) -> list[dict[str, Any]]:
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     run()
-                samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+                samples[name].append((time.perf_counter() - t0) / calls)
     finally:
         gc.enable()
-    rows = []
-    for name, us in samples.items():
-        t = Timing(tuple(v / 1e6 for v in us))
-        rows.append({"case": name, "median_us": t.median_s * 1e6, "p10_us": t.p10_s * 1e6})
-    return rows
+    return [
+        {
+            "case": name,
+            "median_us": Timing(tuple(t)).median_s * 1e6,
+            "p10_us": Timing(tuple(t)).p10_s * 1e6,
+        }
+        for name, t in samples.items()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
