@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -214,3 +215,38 @@ def test_sizes_a_pack_returns_cross_as_symbolic_outputs_when_dynamic() -> None:
         if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.SymInt)
     ]
     assert any(n.name in crossing for n in sym_inputs)
+
+
+@pytest.mark.parametrize("hooks", [hm.bf16, hm.offload])
+def test_an_unpacked_tensor_lives_only_around_the_op_that_uses_it(hooks: Any) -> None:
+    torch.manual_seed(0)
+    blocks: list[torch.nn.Module] = []
+    for _ in range(4):
+        blocks += [torch.nn.Linear(16, 16), torch.nn.GELU()]
+    _, _, log = _run(torch.nn.Sequential(*blocks), torch.randn(8, 16), hooks(), True, inline=False)
+    nodes = list(_placement(log).backward.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    unpacked = [next(iter(n.users)) for n in nodes if n.target is unpack_hook_op]
+    assert len(unpacked) == len(_placement(log).packed)
+    live_at_once = 0
+    for out in unpacked:
+        first, last = min(at[u] for u in out.users), max(at[u] for u in out.users)
+        # every other unpack while this one is live feeds the same op (its other operand)
+        for other in unpacked:
+            if other is not out and at[out] < at[other] < last:
+                assert set(other.users) & set(out.users), (out.name, other.name)
+        live_at_once = max(
+            live_at_once, sum(at[o] <= first <= max(map(at.get, o.users)) for o in unpacked)
+        )
+    assert live_at_once <= 2  # at most both operands of one op, never a layer's worth
+
+
+def test_the_placement_says_which_packed_values_moved_device() -> None:
+    model, x = _mlp(), torch.randn(8, 16)
+    _, _, log = _run(model, x, hm.offload(), compiled=True, inline=False)
+    placement = _placement(log)
+    assert all(p.crossing_devices == ("cpu",) for p in placement.packed)
+    assert placement.moved == ()  # offloading to the CPU from the CPU moves nothing
+    moved = dataclasses.replace(placement.packed[0], device="cuda:0")
+    assert moved.moves_device and not placement.packed[0].moves_device
+    assert dataclasses.replace(placement, packed=(moved,)).moved == (moved.name,)

@@ -145,6 +145,58 @@ def test_python_hooks_are_placed_in_the_graph_and_match_eager(hooks: Any) -> Non
     assert placed.get("packed") and "traced Python hooks" in placed.message
 
 
+def _as_if_offloaded(monkeypatch: Any) -> list[tuple[str, bool]]:
+    """Placements claim their packed values live on another device; codegen calls record
+    whether Inductor's peak-memory reordering was on (no second device on a CPU machine)."""
+    import dataclasses
+
+    import loom_hops
+    from torchloom import _pipeline
+    from torchloom import _torch_compat as compat
+
+    place, codegen = loom_hops.place_saved_tensor_hooks, _pipeline._eager_codegen
+    seen: list[tuple[str, bool]] = []
+
+    def place_offloaded(*args: Any, **kwargs: Any) -> Any:
+        placement = place(*args, **kwargs)
+        packed = tuple(
+            dataclasses.replace(p, crossing_devices=("cuda:0",)) for p in placement.packed
+        )
+        return dataclasses.replace(placement, packed=packed)
+
+    def recording_codegen(gm: Any, inputs: Any, static: Any) -> Any:
+        kind = "backward" if any(n.name == "tangents_1" for n in gm.graph.nodes) else "forward"
+        seen.append((kind, bool(compat.inductor_config.reorder_for_peak_memory)))
+        return codegen(gm, inputs, static)
+
+    monkeypatch.setattr(loom_hops, "place_saved_tensor_hooks", place_offloaded)
+    monkeypatch.setattr(_pipeline, "_eager_codegen", recording_codegen)
+    return seen
+
+
+def test_offloaded_graphs_are_generated_in_the_placement_order(monkeypatch: Any) -> None:
+    seen = _as_if_offloaded(monkeypatch)
+    check_against_eager((offload_pack, offload_unpack))
+    assert sorted(seen) == [("backward", False), ("forward", False)]
+    (order,) = _entries("graph_order")
+    assert order.get("moved") and "reorder_for_peak_memory off" in order.message
+
+
+def test_graphs_whose_packed_values_stay_put_keep_inductor_reordering(monkeypatch: Any) -> None:
+    from torchloom import _pipeline
+    from torchloom import _torch_compat as compat
+
+    codegen, seen = _pipeline._eager_codegen, []
+
+    def recording_codegen(gm: Any, inputs: Any, static: Any) -> Any:
+        seen.append(bool(compat.inductor_config.reorder_for_peak_memory))
+        return codegen(gm, inputs, static)
+
+    monkeypatch.setattr(_pipeline, "_eager_codegen", recording_codegen)
+    check_against_eager((offload_pack, offload_unpack))  # on CPU, "cpu" is where it was
+    assert seen == [True, True] and not _entries("graph_order")
+
+
 def test_graph_module_hooks_are_taken_as_they_are() -> None:
     check_against_eager(gm_bf16())
     (placed,) = _entries("placed")

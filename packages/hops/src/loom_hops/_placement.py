@@ -59,6 +59,14 @@ class PackedTensor:
     crossing: tuple[str, ...]  # names of the packed leaves that go to the backward
     pack_after: str  # the forward node after which the pack runs (last use)
     unpack_before: str  # the backward node before which the unpack runs (first use)
+    #: The device of each crossing leaf ("" for a size): another device than ``device``
+    #: means the pack moves the tensor there (CPU offload) and the unpack copies it back.
+    crossing_devices: tuple[str, ...] = ()
+
+    @property
+    def moves_device(self) -> bool:
+        """Whether the packed value lives on another device than the saved tensor."""
+        return any(d and d != self.device for d in self.crossing_devices)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,6 +83,17 @@ class Placement:
     pack_effects: tuple[Callable[[], None], ...] = ()
     #: Side effects of traced unpack hooks, in the backward order of the unpacks.
     unpack_effects: tuple[Callable[[], None], ...] = ()
+
+    @property
+    def moved(self) -> tuple[str, ...]:
+        """The packed tensors whose packed value lives on another device (offloaded).
+
+        Their unpack copies back from a graph input of the backward. A code
+        generator that reorders for peak memory without telling devices apart
+        (Inductor 2.11 counts host buffers as device memory) may hoist those
+        copies to the start of the backward; keep such graphs in their order.
+        """
+        return tuple(p.name for p in self.packed if p.moves_device)
 
     def check(self) -> None:
         """Verify the forward's saved outputs and the backward's saved inputs line up."""
@@ -113,6 +132,11 @@ def _last_use(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
         placeholders: list[torch.fx.Node] = [n for n in graph.nodes if n.op == "placeholder"]
         return placeholders[-1]
     return last
+
+
+def _device_of(node: torch.fx.Node) -> str:
+    val = node.meta.get("val")
+    return str(val.device) if isinstance(val, torch.Tensor) else ""
 
 
 def _first_use(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
@@ -350,6 +374,7 @@ def place_saved_tensor_hooks(
                 crossing=tuple(leaf.name for leaf in leaves),
                 pack_after=anchor.name,
                 unpack_before=first_use.name if first_use is not None else "",
+                crossing_devices=tuple(_device_of(leaf) for leaf in leaves),
             )
         )
 

@@ -9,7 +9,10 @@ its last forward use and unpacks it right before its first backward use, as
 are inlined just before codegen. At run time the compiled callable runs with
 eager application of the hooks disabled, so nothing is packed twice. Hooks it
 cannot trace stay eager (PyTorch's behaviour), with the reason in the report,
-or raise in strict mode.
+or raise in strict mode. When a pack moves tensors to another device (CPU
+offload), both graphs are generated in the order the placement made: Inductor's
+peak-memory reordering counts host buffers as device memory and would hoist
+every copy back to the device to the start of the backward.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch.fx import GraphModule
 import loom_hops
 from torchloom import _torch_compat as compat
 from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
-from torchloom._stages import GraphContext, GraphKind, PipelineStage
+from torchloom._stages import Codegen, GraphContext, GraphKind, PipelineStage
 
 __all__ = ["HooksState", "SavedTensorHooksStage"]
 
@@ -150,11 +153,59 @@ class SavedTensorHooksStage(PipelineStage):
             kept=placement.kept,
             fingerprint=state.fingerprint,
         )
+        if placement.moved:
+            ctx.record.add_entry(
+                "hooks",
+                "graph_order",
+                f"{len(placement.moved)} packed tensor(s) live on another device: forward and "
+                "backward keep the placement's order (Inductor's reorder_for_peak_memory off)",
+                moved=placement.moved,
+            )
         for kind, gm in (("forward+hooks", fw_gm), ("backward+hooks", bw_gm)):
             code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
             ctx.record.add_graph(kind, code)
             log.debug("graph %d, %s:\n%s", ctx.graph_id, kind, code)
         return fw_gm, bw_gm
+
+    def compile(
+        self,
+        ctx: GraphContext,
+        gm: GraphModule,
+        kind: GraphKind,
+        example_inputs: Sequence[Any],
+        static_input_idxs: Sequence[int],
+        codegen: Codegen,
+    ) -> Callable[..., Any] | None:
+        state: HooksState | None = ctx.state.get(self.name)
+        placement = None if state is None else state.placement
+        if placement is None or not placement.moved or kind is GraphKind.INFERENCE:
+            return None
+        # NOTE: Inductor's memory model (torch 2.11, _inductor/memory.py) sums buffers of
+        # every device: a copy from a host input frees as much as it allocates, so its
+        # peak-memory reordering moves the unpacks' copies to the start of the backward
+        # (and may move the pack copies late in the forward). The placement already put
+        # each at its last/first use: keep that order.
+
+        def in_placement_order(
+            g: GraphModule, inputs: Sequence[Any], static: Sequence[int]
+        ) -> Callable[..., Any]:
+            with compat.inductor_config.patch(reorder_for_peak_memory=False):
+                return codegen(g, inputs, static)
+
+        # Later stages (CUDA-graph segments) may still take the graph over, with this codegen.
+        from torchloom._stages import STAGES
+
+        for stage in STAGES[STAGES.index(self) + 1 :] if self in STAGES else ():
+            fn = stage.compile(ctx, gm, kind, example_inputs, static_input_idxs, in_placement_order)
+            if fn is not None:
+                return fn
+        log.debug(
+            "graph %d, %s: %d offloaded tensor(s), codegen in placement order",
+            ctx.graph_id,
+            kind.value,
+            len(placement.moved),
+        )
+        return in_placement_order(gm, example_inputs, static_input_idxs)
 
     def wrap_compiled(
         self,
