@@ -69,6 +69,42 @@ def test_chain_uses_read_the_copy_source_and_the_mutations_go(fill: str) -> None
     assert any(n.meta.get("loom_pass") == "remove_resize_copy_resize" for n in gm.graph.nodes)
 
 
+def _freed_then_read(view_only: bool) -> tuple[GraphModule, list[torch.Tensor]]:
+    """The compiled-autograd backward's shape: the free (a post-accumulate-grad
+    hook) comes right after one gradient, and the weight is read again after it."""
+    inputs = _inputs()
+    b = GraphBuilder()
+    p, src, x = b.inputs(("p", "src", "x"), inputs)
+    b.resize(p, 64)
+    b.call(aten.copy_.default, p, src)
+    first = b.call(aten.mm.default, x, p)
+    b.resize(p, 0)
+    pt = b.call(aten.t.default, b.call(aten.t.default, p))
+    if view_only:
+        return b.build(first, pt), inputs
+    return b.build(first, b.call(aten.mm.default, x, pt), p), inputs
+
+
+def test_data_read_after_the_free_reads_the_source_too() -> None:
+    gm, (p, src, x) = _freed_then_read(view_only=False)
+    result = remove_resize_copy_resize(gm)
+    assert result.modified and not result.left_alone
+    assert RESIZE not in targets(gm)
+    assert "torch.ops.aten.t.default(src)" in gm.code
+    assert "1 read(s) after its resize to 0 (freed storage)" in str(result.changes[0])
+    (first, second, got_p), sizes = _run(gm, [p, src, x])
+    torch.testing.assert_close(first, x @ src)
+    torch.testing.assert_close(second, x @ src)
+    assert sizes[0] == 0 and got_p.untyped_storage().nbytes() == 0
+
+
+def test_views_after_the_free_keep_reading_the_input() -> None:
+    gm, _ = _freed_then_read(view_only=True)
+    result = remove_resize_copy_resize(gm)
+    assert result.modified and "after its resize to 0" not in str(result.changes[0])
+    assert "torch.ops.aten.t.default(p)" in gm.code
+
+
 def test_repeated_chains_on_one_input_each_read_their_own_source() -> None:
     gen = torch.Generator().manual_seed(5)
     inputs = [

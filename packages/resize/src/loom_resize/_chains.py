@@ -4,7 +4,9 @@ Between the fill and the resize back to zero, every use of the input reads
 the fill's source instead, and the three mutations go away: the full-size
 parameter storage is never allocated. The input itself stays what the graph
 returns (what autograd saves for backward), so backward sees the original
-zero-storage parameter, as in eager. Runs on AOTAutograd's aten graphs
+zero-storage parameter, as in eager. A read of the input's data after its
+resize to 0 (before it is grown again) reads freed storage; it joins the
+chain's uses, as if the free had come after it. Runs on AOTAutograd's aten graphs
 (forward, backward, inference), after gradients have been decided; on the
 Dynamo graph it would cut the parameter out of autograd.
 """
@@ -87,15 +89,25 @@ def _same_metadata(dst: Node, src: object) -> str | None:
     return None
 
 
+def _reads_data(node: Node, output: Node) -> bool:
+    """True if ``node`` reads its input's data: it is not a view, or a view that
+    some non-view node (other than the graph's output) reads."""
+    if not _is_view(node):
+        return node is not output
+    return any(_reads_data(u, output) for u in node.users)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Chain:
-    """One ``resize up -> fill -> uses -> resize to 0`` window on an input."""
+    """One ``resize up -> fill -> uses -> resize to 0`` window on an input;
+    ``late`` are the uses after the resize to 0 that read freed storage."""
 
     up: Node
     fill: Node
     source: Node
     uses: tuple[Node, ...]
     down: Node
+    late: tuple[Node, ...] = ()
 
 
 def _chains(
@@ -107,6 +119,7 @@ def _chains(
     up = fill = None
     src: object = None
     uses: list[Node] = []
+    after_down: list[Node] = []  # reads since the last chain's resize to 0
 
     def left(kind: ResizeKind, why: str) -> Unsupported:
         return Unsupported(kind, f"input {target.name!r}", why, "left in the graph; still correct")
@@ -117,6 +130,7 @@ def _chains(
         touches = target in node.all_input_nodes
         if is_resize(node) and node.args[0] is target:
             if resize_size(node) and state == "idle":
+                _attach_late_reads(chains, after_down, output)
                 state, up = "up", node
             elif not resize_size(node) and state == "filled":
                 assert up is not None and fill is not None
@@ -143,16 +157,29 @@ def _chains(
             uses.append(node)
         elif touches and state == "up":
             return [], left(ResizeKind.UNPAIRED_RESIZES, f"{node.name} reads it before the fill")
+        elif touches and chains:
+            after_down.append(node)
     if state != "idle":
         return [], left(ResizeKind.UNPAIRED_RESIZES, "a resize-up is not matched by a resize to 0")
+    _attach_late_reads(chains, after_down, output)
     for chain in chains:
-        if (view := _escaping_view(chain.uses, target, output)) is not None:
+        if (view := _escaping_view(chain.uses + chain.late, target, output)) is not None:
             return [], left(
                 ResizeKind.VIEW_ESCAPES,
                 f"view {view.name!r} of it is returned; reading the source would keep the "
                 "full buffer alive",
             )
     return chains, None
+
+
+def _attach_late_reads(chains: list[_Chain], after_down: list[Node], output: Node) -> None:
+    """Give the last chain the reads after its resize to 0 when one of them reads
+    data (compiled autograd places a parameter's post-accumulate-grad hook, the
+    free, right after its gradient, while the same backward still reads the
+    parameter for another gradient; eager runs the hook after the whole node)."""
+    if chains and any(_reads_data(n, output) for n in after_down):
+        chains[-1] = dataclasses.replace(chains[-1], late=tuple(after_down))
+    after_down.clear()
 
 
 def _drop_fill(gm: GraphModule, fill: Node, target: Node) -> None:
@@ -190,21 +217,19 @@ def remove_resize_copy_resize(gm: GraphModule) -> PassResult:
             left_alone.append(reason)
             continue
         for chain in chains:
-            for use in chain.uses:
+            for use in chain.uses + chain.late:
                 use.replace_input_with(target, chain.source)
                 use.meta["loom_pass"] = PASS
             _drop_fill(gm, chain.fill, target)
             gm.graph.erase_node(chain.up)
             gm.graph.erase_node(chain.down)
         reads = sum(len(c.uses) for c in chains)
+        late = sum(len(c.late) for c in chains)
         sources = ", ".join(sorted({c.source.name for c in chains}))
-        changes.append(
-            Change(
-                PASS,
-                f"input {target.name!r}",
-                f"{len(chains)} chain(s), {reads} use(s) read {sources}",
-            )
-        )
+        what = f"{len(chains)} chain(s), {reads} use(s) read {sources}"
+        if late:
+            what += f"; {late} read(s) after its resize to 0 (freed storage) read the source too"
+        changes.append(Change(PASS, f"input {target.name!r}", what))
     if changes:
         finish_graph(gm)
         log.debug("%s: %s", PASS, "; ".join(str(c) for c in changes))
