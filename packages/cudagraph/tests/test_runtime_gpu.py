@@ -51,7 +51,7 @@ def test_same_input_is_read_in_place_and_sees_the_users_writes() -> None:
     rec = _hot(run)
     assert rec.stable_idx == [0] and rec.copy_idx == []
     assert isinstance(rec.graph, torch.cuda.CUDAGraph)
-    assert rec.replay == rec.graph.replay  # no Python frame between runtime and launch
+    assert rec.replay.__self__ is rec.graph  # the C++ replay, bound: no Python frame
     (seg,) = run.stats().segments
     assert seg.uncaptured_calls == 1 and seg.replays == 5
 

@@ -3,7 +3,7 @@
 A :class:`Capturer` turns ``fn(static_inputs)`` into a graph handle and its
 static outputs, replays the handle, and makes memory pools. A capturer may
 also offer ``replayer(graph)``, a zero-argument callable bound once per
-recording (``graph.replay`` itself on CUDA), which the per-call path calls
+recording (the C++ ``replay`` of the graph on CUDA), which the per-call path calls
 instead of ``replay(graph)``.
 :class:`CudaCapturer` uses ``torch.cuda.CUDAGraph`` with private pools and a
 side stream; the default CUDA generator is registered by the graph itself, so
@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+
+from loom_cudagraph._torch_compat import cuda_graph_replay
 
 __all__ = ["Capturer", "CudaCapturer", "HostCapturer"]
 
@@ -74,9 +76,8 @@ class CudaCapturer:
         graph.replay()
 
     def replayer(self, graph: Any) -> Callable[[], object]:
-        """``graph.replay`` itself: no Python frame between the runtime and the launch."""
-        replay: Callable[[], object] = graph.replay
-        return replay
+        """The graph's C++ replay, bound: no Python frame between the runtime and the launch."""
+        return cuda_graph_replay(graph)
 
     def reserved(self) -> int:
         # NOTE: torch.cuda.graph empties the cache before capturing; do it here

@@ -17,6 +17,7 @@ __all__ = [
     "HigherOrderOperator",
     "OpOverload",
     "OpOverloadPacket",
+    "cuda_graph_replay",
     "data_ptrs_at_indices_equal",
     "foreach_copy",
     "foreach_copy_",
@@ -49,6 +50,13 @@ foreach_copy_: Callable[[TensorList, TensorList], None] = torch._foreach_copy_
 data_ptrs_at_indices_equal: Callable[[list[Any], list[int | None], list[int]], bool] = (
     torch._C._tensors_data_ptrs_at_indices_equal
 )
+
+
+def cuda_graph_replay(graph: Any) -> Callable[[], object]:
+    """``graph.replay`` bound to the C++ method itself, past ``torch.cuda.CUDAGraph``'s
+    Python override (which only calls ``super().replay()``): one frame less per replay."""
+    replay: Callable[[], object] = torch._C._CUDAGraph.replay.__get__(graph)
+    return replay
 
 
 def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
