@@ -8,16 +8,24 @@ per-tensor scale), Inductor without hooks, Inductor with the same Python hooks
 hooks as ``GraphModule``s (PyTorch's own inlining, intermediates only), and
 loom with them (Python hooks traced and placed after each tensor's last use;
 scope ``all`` as eager, and ``activations``). Then CPU offload hooks: eager
-against loom. ``peak_gib`` is the peak CUDA memory of a step above what the
-parameters and gradients hold; ``grad_rel_err`` compares gradients with eager
-running the same hooks.
+against loom, with the gradients zeroed in place (``p.grad.zero_()``, as
+above) and set to ``None`` (``zero_grad()``'s default: the step's gradients
+then count in the peak). ``peak_gib`` is the peak CUDA memory of a step above
+what the parameters and gradients hold; ``fwd_peak_gib`` and ``bwd_peak_gib``
+split it into the forward call and the backward call; ``grad_rel_err``
+compares gradients with eager running the same hooks.
 
-    python benchmarks/bench_hooks.py --device cuda [--quick]
+With ``--diag`` it also prints, for each loom variant, the Inductor output code
+files it ran and, for offloaded graphs, the order of the backward's
+host-to-device copies among its kernel launches.
+
+    python benchmarks/bench_hooks.py --device cuda [--quick] [--diag]
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -93,16 +101,73 @@ def hooks_active(hooks: Any) -> Iterator[None]:
             yield
 
 
-def make_step(fn: Callable[..., Any], model: torch.nn.Module, x: torch.Tensor, hooks: Any) -> Any:
+def make_step(
+    fn: Callable[..., Any],
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    hooks: Any,
+    grads_to_none: bool = False,
+) -> Any:
     def step() -> None:
         for p in model.parameters():
-            if p.grad is not None:
+            if grads_to_none:
+                p.grad = None
+            elif p.grad is not None:
                 p.grad.zero_()
         with hooks_active(hooks):
             out = fn(x)
         out.square().mean().backward()
 
     return step
+
+
+def split_peaks(
+    fn: Callable[..., Any], model: torch.nn.Module, x: torch.Tensor, hooks: Any, grads_to_none: bool
+) -> tuple[float, float]:
+    """Peak GiB of the forward call and of the backward call, each above what was allocated
+    when it started (the backward's start holds the forward's output and saved values)."""
+    for p in model.parameters():
+        if grads_to_none:
+            p.grad = None
+        elif p.grad is not None:
+            p.grad.zero_()
+    keep: list[Any] = []
+
+    def forward() -> None:
+        with hooks_active(hooks):
+            keep.append(fn(x))
+
+    fwd = peak_memory(forward, "cuda") or 0
+    loss = keep.pop().square().mean()
+    bwd = peak_memory(loss.backward, "cuda") or 0
+    return fwd / GIB, bwd / GIB
+
+
+def inductor_modules() -> list[Any]:
+    from torch._inductor.codecache import PyCodeCache
+
+    return list(PyCodeCache.modules)
+
+
+def describe_copies(path: str) -> str:
+    """The order of host-to-device copies of packed values among a wrapper's launches."""
+    text = Path(path).read_text()
+    calls = text[text.find("def call(") :]
+    events: list[str] = []
+    for line in calls.splitlines():
+        copy = re.search(r"\.copy_\((\w+_packed_\d+)", line)
+        if copy:
+            events.append(f"H2D({copy.group(1)})")
+        elif re.search(r"\.run\(|extern_kernels\.|aten\.", line):
+            events.append("k")
+    # NOTE: compress runs of kernels: "k x3 H2D(a) k H2D(b)" reads as the schedule.
+    runs: list[list[Any]] = []
+    for event in events:
+        if runs and event == "k" and runs[-1][0] == "k":
+            runs[-1][1] += 1
+        else:
+            runs.append([event, 1])
+    return " ".join(e if e != "k" else f"k{n}" for e, n in runs)
 
 
 def grads_after_one_step(step: Callable[[], None], model: torch.nn.Module) -> list[torch.Tensor]:
@@ -126,7 +191,14 @@ def compiled(model: torch.nn.Module, kind: str, options: dict[str, Any] | None =
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(
+        __doc__.splitlines()[0],
+        configure=lambda p: p.add_argument(
+            "--diag",
+            action="store_true",
+            help="print the Inductor output code of loom variants and the offload copy order",
+        ),
+    )
     device = args.device
     cuda = device == "cuda"
     width, layers, batch = (4096, 12, 8192) if cuda and not args.quick else (256, 4, 512)
@@ -152,6 +224,11 @@ def main() -> None:
         ),
         ("eager + offload hooks", "eager", OFFLOAD, None),
         ("loom + offload hooks", "loom", OFFLOAD, loom_codegen),
+        # NOTE: zero_grad()'s default: AccumulateGrad takes each new gradient as it is,
+        # where zeroed gradients make eager add and free one at a time while a compiled
+        # backward returns all of its gradients at once.
+        ("eager + offload hooks, grads None", "eager", OFFLOAD, None),
+        ("loom + offload hooks, grads None", "loom", OFFLOAD, loom_codegen),
     ]
     if cuda:
         variants[2:2] = [
@@ -163,19 +240,32 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for name, kind, hooks, options in variants:
         fn = compiled(model, kind, options)
-        step = make_step(fn, model, x, hooks)
+        to_none = name.endswith("grads None")
+        step = make_step(fn, model, x, hooks, grads_to_none=to_none)
+        before = {id(m) for m in inductor_modules()} if args.diag else set()
         grads = grads_after_one_step(step, model)  # compiles; allocates the gradients
         key = id(hooks[0]) if hooks is not None else 0
         if kind == "eager":
             reference.setdefault(key if hooks is not GM_FP8 else id(fp8_pack), grads)
         want = reference.get(id(fp8_pack) if hooks is GM_FP8 else key)
         peak = peak_memory(step, device)
-        # NOTE: a step is ~0.2 s on an H100 at full size; 10 steps keep the run short.
-        timing = time_fn(step, warmup=1, iters=min(args.iters, 10), device=device)
+        fwd_peak, bwd_peak = split_peaks(fn, model, x, hooks, to_none) if cuda else (None, None)
+        # NOTE: a step is ~0.2 s on an H100 at full size (offload: ~4 s, pageable copies);
+        # 10 steps (3 offloaded) keep the run short.
+        iters = min(args.iters, 3 if hooks is OFFLOAD and cuda and not args.quick else 10)
+        timing = time_fn(step, warmup=1, iters=iters, device=device)
+        if args.diag and kind == "loom":
+            for module in inductor_modules():
+                if id(module) not in before and getattr(module, "__file__", None):
+                    print(f"[diag] {name}: Inductor output code {module.__file__}")
+                    if hooks is OFFLOAD:
+                        print(f"[diag]   {describe_copies(module.__file__)}")
         rows.append(
             {
                 "variant": name,
                 "peak_gib": None if peak is None else peak / GIB,
+                "fwd_peak_gib": fwd_peak,
+                "bwd_peak_gib": bwd_peak,
                 "median_ms": timing.median_s * 1e3,
                 "grad_rel_err": None if want is None or kind == "eager" else rel_err(grads, want),
             }
@@ -188,7 +278,9 @@ def main() -> None:
     print(format_table(rows))
     notes = (
         f"{layers} x (Linear({width}, {width}) + GELU), batch {batch}, fp32; one step = "
-        "forward + backward; peak above parameters and gradients. Ratios are to "
+        "forward + backward; peak above parameters and gradients (fwd/bwd: the forward "
+        "call, the backward call, each above what was live when it started; 'grads None': "
+        "gradients set to None before each step, so they count in the peak). Ratios are to "
         f"{base['variant']} without hooks. grad_rel_err: relative L2 error of the gradients "
         "against eager with the same hooks."
     )
