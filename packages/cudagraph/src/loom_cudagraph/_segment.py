@@ -5,11 +5,12 @@ Per distinct input shape (one key for static graphs) a segment keeps up to
 in place (parameters, buffers, outputs of other loom CUDA graphs, and inputs
 that kept their address from the warm-up to the recording). Other tensor
 inputs are copied into static buffers; once an input used in place only for
-its stable address moves, that shape copies such inputs from then on. Which inputs are used in place,
-copied, or copied back after a mutation is decided once, when a recording is
-made, together with the callables the per-call path runs: one pointer check
-in C++ (only when some input is used in place), the output-liveness check,
-one fused copy, the replay and one alias per escaping output.
+its stable address moves, that shape copies such inputs from then on. Which
+inputs are used in place, copied, or copied back after a mutation is decided
+once, when a recording is made, together with the callables the per-call path
+runs: one pointer check in C++ (only when some input is used in place), the
+output-liveness check, one (fused) copy, the replay and one alias per
+escaping output.
 """
 
 from __future__ import annotations
@@ -350,10 +351,6 @@ class CapturedSegment:
             r.pool.release(r)
         return self._record(table, inputs, alternate=True)
 
-    def _uncaptured(self, inputs: list[Any]) -> Sequence[Any]:
-        self.uncaptured_calls += 1
-        return self.fn(inputs)
-
     def _key(self, inputs: list[Any]) -> tuple[Any, ...]:
         return tuple(
             (tuple(v.shape), v.stride()) if isinstance(v, torch.Tensor) else v for v in inputs
@@ -375,8 +372,8 @@ class CapturedSegment:
                     "pad inputs to a few fixed sizes or raise cudagraph_max_shapes",
                 )
             return
-        # NOTE: the warm-up is the user's call itself (it draws the same random
-        # numbers as uncaptured compiled code would), so its result is returned.
+        # NOTE: the warm-up is the user's call itself, run uncaptured (it draws
+        # the same random numbers as uncaptured compiled code would).
         self._tables[key] = table = _Table(self)
         table.warm_ptrs = [
             v.data_ptr() if isinstance(v, torch.Tensor) and v.layout == torch.strided else None
