@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,8 @@ def _variants(codegen: str) -> list[Variant]:
         ),
     ]
     if codegen != "eager":
-        # NOTE: with Inductor codegen the compiled-autograd backward reads a freed
-        # (zero-storage) weight on CPU (docs/resize.md); eager codegen shows the schedule.
+        # NOTE: eager codegen runs the compiled-autograd backward's ops in graph
+        # order: the schedule compiled autograd chose, without Inductor's.
         eager = {"codegen": "eager"}
         variants += [
             Variant("loom + compiled autograd, eager codegen", eager, compiled_autograd=True),
@@ -217,6 +218,7 @@ def main() -> None:
             row, (out, grads) = _measure(variant, layers, dim, x, iters)
         except Exception as error:  # reported in the table; the other variants still run
             message = (str(error).strip().splitlines() or [""])[0].replace("|", "/")
+            traceback.print_exc()
             print(f"!!! {variant.name}: {type(error).__name__}: {message}", file=sys.stderr)
             rows.append({"variant": variant.name, "error": f"{type(error).__name__}: {message}"})
             continue
