@@ -1,6 +1,7 @@
 """loom's cache across processes: a second process compiling the GPT-stack
 training step gets a full hit and exactly the outputs and gradients of the cold
-process; a fleet shares entries through Redis."""
+process, with CUDA graphs too (same plans, same captured segments replayed); a
+fleet shares entries through Redis."""
 
 from __future__ import annotations
 
@@ -94,6 +95,73 @@ def test_second_process_hits_on_the_gpu(tmp_path: Path) -> None:
     assert cold["cache"] == ["miss", "stored"] and warm["cache"] == ["hit"]
     assert "partition" not in warm["stages"]
     # The same kernels run; a tolerance only guards against run-to-run GPU reduction order.
+    import torch
+
+    torch.testing.assert_close(torch.tensor(warm["out"]), torch.tensor(cold["out"]))
+    for a, b in zip(warm["grads"], cold["grads"], strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b))
+
+
+_CUDAGRAPH_CHILD = r"""
+import json, sys, torch, torchloom, loom_cudagraph
+from torchloom._models import GPTStack
+from torchloom._stage_cudagraph import cudagraph_stats
+phase, codegen = sys.argv[1], sys.argv[2]
+if phase == "warm":
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cache hit must not plan")
+    loom_cudagraph.plan_graph = refuse
+torch.manual_seed(0)
+model = GPTStack(32, 1, 4).to("cuda")
+compiled = torch.compile(model, backend="loom", options={"codegen": codegen, "cudagraphs": True})
+outs = []
+for i in range(4):
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(i)).to("cuda")
+    out = compiled(x)
+    out.float().pow(2).mean().backward()
+    outs.append(out.detach().double().flatten().tolist())
+torch.cuda.synchronize()
+rep = torchloom.report()
+segments = [s for r in cudagraph_stats() for s in r.segments]
+print("RESULT " + json.dumps({
+    "cache": [e.kind for e in rep.entries("cache")],
+    "stages": sorted({s.name for g in rep for s in g.stages}),
+    "plan": [[e.kind, e.message, [list(kv) for kv in e.data]] for e in rep.entries("cudagraph")
+             if e.kind in ("segment", "skip", "disabled")],
+    "skips": {k.value: v for k, v in loom_cudagraph.skip_counts().items()},
+    "captured": sum(s.captured for s in segments),
+    "replays": sum(s.replays for s in segments),
+    "out": outs,
+    "grads": [p.grad.double().flatten().tolist() for p in model.parameters()],
+}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codegen", ["inductor", "eager"])
+def test_second_process_hits_with_cuda_graphs_and_replays_the_captured_segments(
+    tmp_path: Path, codegen: str
+) -> None:
+    runs = []
+    for phase in ("cold", "warm"):
+        proc = subprocess.run(
+            [sys.executable, "-c", _CUDAGRAPH_CHILD, phase, codegen],
+            env={**os.environ, **_env(tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+        runs.append(json.loads(line.removeprefix("RESULT ")))
+    cold, warm = runs
+    assert cold["cache"] == ["miss", "stored"] and warm["cache"] == ["hit"]
+    assert "partition" not in warm["stages"]  # no AOT tracing, planning or codegen
+    assert not any(s.startswith("codegen") for s in warm["stages"])
+    assert warm["plan"] == cold["plan"]  # segments, captured or not, why, node counts
+    assert warm["skips"] == cold["skips"]
+    assert warm["captured"] == cold["captured"] > 0
+    assert warm["replays"] == cold["replays"] > 0
     import torch
 
     torch.testing.assert_close(torch.tensor(warm["out"]), torch.tensor(cold["out"]))

@@ -171,7 +171,7 @@ import torch, torchloom, loom_cudagraph
 from torchloom._stage_cudagraph import CudagraphStage, cudagraph_stats
 from torchloom._stages import STAGES
 
-mode, phase = sys.argv[1], sys.argv[2]
+mode, phase, codegen = sys.argv[1:4]
 capturer = None
 if mode == "host":
     capturer = loom_cudagraph.HostCapturer()
@@ -193,7 +193,7 @@ logging.getLogger("torchloom.cudagraph").setLevel(logging.INFO)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
 f = torch.compile(lambda x: model(x).sin().sum(), backend="loom",
-                  options={"codegen": "eager", "cudagraphs": True})
+                  options={"codegen": codegen, "cudagraphs": True})
 outs = []
 for i in range(3):
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
@@ -216,17 +216,18 @@ print("RESULT " + json.dumps({
 """
 
 
-def _child(mode: str, phase: str, cache_dir: Path) -> dict[str, Any]:
+def _child(
+    mode: str, phase: str, cache_dir: Path, codegen: str = "eager", inductor_dir: str = ""
+) -> dict[str, Any]:
+    env = {"TORCHLOOM_CACHE_DIR": str(cache_dir), "PYTHONHASHSEED": "1" if phase == "cold" else "2"}
+    if inductor_dir:
+        env["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, mode, phase],
-        env={
-            **os.environ,
-            "TORCHLOOM_CACHE_DIR": str(cache_dir),
-            "PYTHONHASHSEED": str(len(phase)),
-        },
+        [sys.executable, "-c", _CHILD, mode, phase, codegen],
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
@@ -270,3 +271,13 @@ def test_second_process_on_a_cpu_only_machine_hits_with_the_same_plan_entries(
     segments = [dict(map(tuple, data)) for kind, _, data in warm["cudagraph"] if kind == "segment"]
     assert [s["graph"] for s in segments] == ["graph 0 forward", "graph 0 backward"]
     assert all(not s["captured"] and "cpu_tensor" in s["reasons"] for s in segments)
+
+
+@pytest.mark.inductor
+def test_inductor_segments_reload_without_inductors_own_cache(tmp_path: Path) -> None:
+    # The warm process gets an empty Inductor cache: the segments' generated code
+    # comes from loom's artifact alone.
+    cold = _child("host", "cold", tmp_path / "loom", "inductor", str(tmp_path / "inductor-a"))
+    warm = _child("host", "warm", tmp_path / "loom", "inductor", str(tmp_path / "inductor-b"))
+    _assert_warm_is_cold(cold, warm)
+    assert warm["replays"] == cold["replays"] > 0
