@@ -83,33 +83,22 @@ def _runtime_from_code(code: compat.SegmentedOutputCode) -> Callable[[list[Any]]
     plan = loom_cudagraph.PartitionPlan.from_json(code.plan_json)
     stage = next((s for s in STAGES if isinstance(s, CudagraphStage)), CudagraphStage())
     ctx = _compiling.get()
-    if ctx is None:
-        pool = code.pool or loom_cudagraph.new_pool(plan.device, stage.capturer)
-        runtime = loom_cudagraph.assemble_runtime(
-            plan,
-            code.segments,
-            output_constants=code.output_constants,
-            pool=pool,
-            capturer=stage.capturer,
-        )
-    else:
-        kind = (
-            GraphKind.BACKWARD
-            if code.is_backward
-            else GraphKind.INFERENCE
-            if code.is_inference
-            else GraphKind.FORWARD
-        )
+    pool, listener = code.pool, None
+    if ctx is not None:
+        kind = GraphKind.BACKWARD if code.is_backward else GraphKind.FORWARD
+        kind = GraphKind.INFERENCE if code.is_inference else kind
         plan = dataclasses.replace(plan, graph=_graph_name(ctx, kind))
-        runtime = loom_cudagraph.assemble_runtime(
-            plan,
-            code.segments,
-            output_constants=code.output_constants,
-            pool=_pool(ctx, plan, stage),
-            capturer=stage.capturer,
-            listener=_listener(ctx),
-            report_skips=False,
-        )
+        pool, listener = _pool(ctx, plan, stage), _listener(ctx)
+    runtime = loom_cudagraph.assemble_runtime(
+        plan,
+        code.segments,
+        output_constants=code.output_constants,
+        pool=pool or loom_cudagraph.new_pool(plan.device, stage.capturer),
+        capturer=stage.capturer,
+        listener=listener,
+        report_skips=ctx is None,
+    )
+    if ctx is not None:
         ctx.state[CudagraphStage.name].setdefault("runtimes", []).append(runtime)
     _runtimes.append(runtime)
     return runtime
