@@ -21,7 +21,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _tapped_step(hook: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """A small MLP step whose hidden activation feeds a hook closing over per-call state."""
+    """A small MLP step: two hooked tensors, hooks closing over per-call state."""
 
     def step(
         model: torch.nn.Module, x: torch.Tensor, sink: list[torch.Tensor], calls: list[int]
@@ -33,7 +33,8 @@ def _tapped_step(hook: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
             calls.append(len(calls))
 
         h = hook(h, record, lambda g: g.clamp(-0.01, 0.01))
-        return model[2](h).square().mean()
+        out = hook(model[2](h), lambda g: sink.append(g.norm()))
+        return out.square().mean()
 
     return step
 
@@ -60,6 +61,9 @@ def _grad_hook_run(step: Callable[..., torch.Tensor], device: str) -> tuple[Any,
 
 
 def _check_grad_hook(device: str, options: dict[str, Any]) -> None:
+    """Also: with the cache off the backward is compiled at the first backward, when
+    the hooks are known, and they are inlined; with the cache on (the default) it is
+    compiled ahead of time and they stay Python calls, with the reason reported."""
     torchloom.reset()
     compiled = torch.compile(
         _tapped_step(torchloom.grad_hook), backend="loom", fullgraph=True, options=options
@@ -67,26 +71,31 @@ def _check_grad_hook(device: str, options: dict[str, Any]) -> None:
     got = _grad_hook_run(compiled, device)
     want = _grad_hook_run(_tapped_step(_register_hook), device)
     torch.testing.assert_close(got[0], want[0])
-    assert [len(s) for s in got[1]] == [1, 1, 1]
+    assert [len(s) for s in got[1]] == [2, 2, 2]
     torch.testing.assert_close(got[1], want[1])
     assert got[2] == want[2] == [0, 1, 2]
     torch.testing.assert_close(got[3], want[3])
-    assert len(torchloom.report().graphs) >= 1
+    kinds = {e.kind for e in torchloom.report().entries("grad_hooks")}
+    assert kinds == ({"python_call"} if options.get("cache", True) else {"inlined"})
 
 
-def test_grad_hook_with_side_effects_matches_register_hook_under_fullgraph() -> None:
-    _check_grad_hook("cpu", {"codegen": "eager"})
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+def test_grad_hook_with_side_effects_matches_register_hook_under_fullgraph(cache: bool) -> None:
+    _check_grad_hook("cpu", {"codegen": "eager", "cache": cache})
 
 
 @pytest.mark.inductor
-def test_grad_hook_with_side_effects_with_inductor_on_cpu() -> None:
-    _check_grad_hook("cpu", {})
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+def test_grad_hook_with_side_effects_with_inductor_on_cpu(cache: bool) -> None:
+    _check_grad_hook("cpu", {"cache": cache})
 
 
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize(
-    "options", [{}, {"cudagraphs": True}], ids=["inductor", "inductor-cudagraphs"]
+    "options",
+    [{}, {"cache": False}, {"cudagraphs": True}, {"cudagraphs": True, "cache": False}],
+    ids=["inductor", "inductor-inlined", "inductor-cudagraphs", "inductor-cudagraphs-inlined"],
 )
 def test_grad_hook_with_side_effects_on_gpu(options: dict[str, Any]) -> None:
     _check_grad_hook("cuda", options)

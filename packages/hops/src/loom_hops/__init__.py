@@ -1,5 +1,6 @@
 """A base class for higher-order operators that invoke one subgraph and survive until codegen; the hook tracer (a symbolic interpreter of CPython 3.11/3.12 bytecode turning a hook into an FX graph, a replay plan, guards and a fingerprint); the passes that place saved-tensor pack/unpack subgraphs where they save memory; backward hooks on intermediate tensors."""
 
+from loom_hops._grad_hook_inline import GradHookInlining, inline_grad_hooks
 from loom_hops._grad_hooks import bound_hook_count, grad_hook
 from loom_hops._hook_graphs import GraphModuleHooks, HookGraphs, PackedLayout, TracedPack
 from loom_hops._hook_hops import PackHookOp, UnpackHookOp, pack_hook_op, unpack_hook_op
@@ -34,6 +35,7 @@ from loom_hops.tracer import HookUnsupported, TracedHook, TraceRefusal, trace_ho
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradHookInlining",
     "GraphModuleHooks",
     "HookGraphs",
     "HookGuard",
@@ -62,6 +64,7 @@ __all__ = [
     "eager_saved_tensors_hooks_disabled",
     "fingerprint_hooks",
     "grad_hook",
+    "inline_grad_hooks",
     "inline_subgraph_hops",
     "install_hooks_guard",
     "native_hook_inlining_disabled",

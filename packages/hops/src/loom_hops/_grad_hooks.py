@@ -23,7 +23,7 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -45,11 +45,12 @@ _lock = threading.Lock()
 class _Site:
     """One ``grad_hook`` call site of one trace; ``fns`` is written by Dynamo's replay."""
 
-    __slots__ = ("__weakref__", "fns", "number")
+    __slots__ = ("__weakref__", "fns", "last", "number")
 
     def __init__(self, number: int) -> None:
         self.number = number
         self.fns: tuple[GradHook, ...] | None = None
+        self.last: tuple[GradHook, ...] | None = None
 
 
 #: site number -> its site (kept alive by the compiled code that holds it as a constant).
@@ -72,7 +73,7 @@ def _settle(number: int) -> None:
     with _lock:
         site = _sites.get(number)
         if site is not None and site.fns is not None and number in _unbound:
-            _bound[_unbound.pop(number)] = site.fns
+            _bound[_unbound.pop(number)] = site.last = site.fns
             site.fns = None
 
 
@@ -114,8 +115,8 @@ def _grad_tap_fake(y: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tens
     return torch.empty_like(y), torch.empty((), dtype=torch.int64)
 
 
-@torch.library.custom_op("loom::grad_hook", mutates_args=(), tags=_TAGS)
-def _run_grad_hooks(grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+def hooks_of(token: torch.Tensor) -> tuple[GradHook, ...]:
+    """The hooks of the forward call that made ``token`` (pairs every pending call first)."""
     for site in list(_unbound):
         _settle(site)
     key = int(token.item())
@@ -128,32 +129,55 @@ def _run_grad_hooks(grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
             "backward of one compiled region on one thread at a time."
         )
     _check_callable(fns)
+    return fns
+
+
+def last_hooks(site: int) -> tuple[GradHook, ...] | None:
+    """The hooks most recently paired at ``site`` (what a backward compiler may trace)."""
+    _settle(site)
+    entry = _sites.get(site)
+    return None if entry is None else entry.last
+
+
+def check_hook_result(fn: GradHook, result: object, grad: torch.Tensor) -> torch.Tensor | None:
+    """``result`` of ``fn(grad)`` if it is a gradient like ``grad`` or None; else raise."""
+    if result is None:
+        return None
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(
+            f"torchloom.grad_hook: hook {getattr(fn, '__qualname__', fn)!r} returned "
+            f"{type(result).__name__}; a gradient hook returns a Tensor or None"
+        )
+    if result.shape != grad.shape or result.dtype != grad.dtype:
+        raise RuntimeError(
+            f"torchloom.grad_hook: hook {getattr(fn, '__qualname__', fn)!r} returned a "
+            f"gradient of shape {tuple(result.shape)} and dtype {result.dtype} for a tensor "
+            f"of shape {tuple(grad.shape)} and dtype {grad.dtype}; return a gradient "
+            "like the one it was given"
+        )
+    return result
+
+
+def run_hooks(grad: torch.Tensor, fns: Sequence[GradHook]) -> torch.Tensor:
+    """Run ``fns`` in order as Python on ``grad``; return a fresh tensor (the new gradient)."""
     # NOTE: the hooks see a private copy: Inductor may reuse the storage of `grad`
     # once this op has read it, and a hook may keep what it is given.
     current = grad.clone()
     for fn in fns:
-        result = fn(current)
-        if result is None:
-            continue
-        if not isinstance(result, torch.Tensor):
-            raise TypeError(
-                f"torchloom.grad_hook: hook {getattr(fn, '__qualname__', fn)!r} returned "
-                f"{type(result).__name__}; a gradient hook returns a Tensor or None"
-            )
-        if result.shape != grad.shape or result.dtype != grad.dtype:
-            raise RuntimeError(
-                f"torchloom.grad_hook: hook {getattr(fn, '__qualname__', fn)!r} returned a "
-                f"gradient of shape {tuple(result.shape)} and dtype {result.dtype} for a tensor "
-                f"of shape {tuple(grad.shape)} and dtype {grad.dtype}; return a gradient "
-                "like the one it was given"
-            )
-        current = result
+        result = check_hook_result(fn, fn(current), grad)
+        if result is not None:
+            current = result
     # NOTE: a custom op may not return (a view of) its input nor a tensor a hook kept.
     return current.clone()
 
 
+@torch.library.custom_op("loom::grad_hook", mutates_args=(), tags=_TAGS)
+def _run_grad_hooks(grad: torch.Tensor, token: torch.Tensor, site: int) -> torch.Tensor:
+    return run_hooks(grad, hooks_of(token))
+
+
 @_run_grad_hooks.register_fake
-def _run_grad_hooks_fake(grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+def _run_grad_hooks_fake(grad: torch.Tensor, token: torch.Tensor, site: int) -> torch.Tensor:
     return torch.empty_like(grad)
 
 
@@ -161,13 +185,14 @@ def _setup_context(
     ctx: object, inputs: tuple[object, ...], output: tuple[torch.Tensor, ...]
 ) -> None:
     ctx.save_for_backward(output[1])  # type: ignore[attr-defined]
+    ctx.site = inputs[1]  # type: ignore[attr-defined]
 
 
 def _backward(
     ctx: object, grad: torch.Tensor, grad_token: torch.Tensor | None
 ) -> tuple[torch.Tensor, None]:
     (token,) = ctx.saved_tensors  # type: ignore[attr-defined]
-    return torch.ops.loom.grad_hook(grad, token), None
+    return torch.ops.loom.grad_hook(grad, token, ctx.site), None  # type: ignore[attr-defined]
 
 
 _grad_tap.register_autograd(_backward, setup_context=_setup_context)

@@ -161,3 +161,7 @@ STAGES.append(CudagraphStage())
 from torchloom._stage_cache import CacheStage  # noqa: E402
 
 STAGES.append(CacheStage())
+
+from torchloom._stage_grad_hooks import GradHooksStage  # noqa: E402
+
+STAGES.append(GradHooksStage())
