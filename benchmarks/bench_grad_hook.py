@@ -7,7 +7,9 @@ per call, measured side by side:
 
 - ``eager``: ``Tensor.register_hook`` in eager;
 - ``inductor_register_hook``: ``register_hook`` under Inductor (Dynamo breaks
-  the graph at each ``register_hook``: ``graphs`` counts the compiled graphs);
+  the graph at each ``register_hook``; here the hooks are registered inside a
+  loop, so Dynamo 2.11 "fails to handle the graph break gracefully" and runs
+  the whole step eagerly: ``graphs`` (compiled graphs) is 0);
 - ``loom_grad_hook``: ``torchloom.grad_hook`` under loom (one graph, the hooks
   as Python calls inside the compiled backward; the default, cache on);
 - ``loom_grad_hook_inlined``: the same with ``cache`` off, where the hooks are
