@@ -237,3 +237,27 @@ def test_dynamic_shapes_hit_and_serve_every_size() -> None:
             torch.testing.assert_close(g(x, w), f(x, w))
         assert [k for k, _ in _cache_entries()] == expected
         assert len(torchloom.report()) == 1  # one graph serves every size
+
+
+def test_key_changes_when_loom_source_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An edited pass in an editable install (same version) must miss, never reuse
+    what the old code made: the source hash of loom's packages is in the key."""
+    from torchloom import _stage_cache
+
+    pkg = tmp_path / "src" / "loom_fake_pass"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("def rewrite(g):\n    return g\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    monkeypatch.setattr(_stage_cache, "_LOOM_MODULES", ("loom_fake_pass",))
+    _stage_cache.loom_source_hash.cache_clear()
+    try:
+        before = _stage_cache._versions()
+        (pkg / "__init__.py").write_text("def rewrite(g):\n    return g.clone()\n")
+        _stage_cache.loom_source_hash.cache_clear()
+        after = _stage_cache._versions()
+    finally:
+        _stage_cache.loom_source_hash.cache_clear()
+    assert "source=" in before
+    assert before != after

@@ -18,7 +18,10 @@ data) is stored with the artifact, and a hit hands the payload back to it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -48,6 +51,15 @@ _LOOM_DISTRIBUTIONS: Final = (
     "torchloom-cudagraph",
     "torchloom-sidefx",
     "torchloom-cells",
+)
+_LOOM_MODULES: Final = (
+    "torchloom",
+    "loom_cache",
+    "loom_hops",
+    "loom_resize",
+    "loom_cudagraph",
+    "loom_sidefx",
+    "loom_cells",
 )
 _FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
 
@@ -116,7 +128,32 @@ def _versions() -> str:
             parts.append(f"{dist}={importlib.metadata.version(dist)}")
         except importlib.metadata.PackageNotFoundError:
             continue
+    parts.append(f"source={loom_source_hash()}")
     return ";".join(parts)
+
+
+@functools.cache
+def loom_source_hash() -> str:
+    """A hash of the source files of every loom package, read once per process.
+
+    Versions alone do not change while loom is developed (an editable install
+    keeps 0.1.0 across edits); the source does, so an edited pass never meets
+    an artifact its old code made (Inductor keys on torch's source the same way).
+    """
+    digest = hashlib.sha256()
+    for name in _LOOM_MODULES:
+        spec = importlib.util.find_spec(name)
+        roots = list(spec.submodule_search_locations or ()) if spec is not None else []
+        for root in roots:
+            for folder, dirs, files in os.walk(root):
+                dirs.sort()
+                for fname in sorted(files):
+                    if fname.endswith(".py"):
+                        path = os.path.join(folder, fname)
+                        digest.update(os.path.relpath(path, root).encode())
+                        with open(path, "rb") as f:
+                            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def _program(gm: GraphModule) -> str:
