@@ -151,6 +151,23 @@ def test_rng_state_wrappers_and_second_device_are_refused() -> None:
     assert reason is not None and reason.kind is SkipReason.RNG_STATE
 
 
+def test_device_without_an_index_means_the_graphs_own_cuda_device() -> None:
+    # ``device="cuda"`` once compared unequal to the graph's ``cuda:0`` tensors
+    # and refused every node as OTHER_DEVICE, so nothing was captured.
+    for spec in ("cuda:0", "cuda:1"):
+        gm, inputs = trace_fake(lambda t: t * 2 + 1, ((16,), spec))
+        for device in ("cuda", torch.device("cuda")):
+            plan = plan_graph(gm, inputs, (), CudagraphOptions(), device=device)
+            assert _kinds(plan) == [(True, set())]
+            assert plan.device == spec
+    # An explicit index is kept: the other device's work is refused.
+    gm, inputs = trace_fake(lambda t, u: (t * 2, u * 3), ((4,), "cuda:0"), ((4,), "cuda:1"))
+    plan = plan_graph(gm, inputs, (), CudagraphOptions(), device="cuda:1")
+    assert plan.device == "cuda:1"
+    assert [s.nodes for s in plan.captured_segments] == [("mul_1",)]
+    assert {r.kind for s in plan.segments for r in s.reasons} == {SkipReason.OTHER_DEVICE}
+
+
 def test_getitem_follows_its_producer() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         vals = torch.ops.aten._unique2(x)[0]

@@ -209,6 +209,26 @@ def _graph_device(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> to
     return None
 
 
+def _capture_device(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: torch.device | str | None
+) -> torch.device | None:
+    """The device whose work is captured, always with an index when it is CUDA.
+
+    An index-less ``"cuda"`` means the graph's own CUDA device (else the current
+    one): the graph's tensors carry an index, and ``cuda:0 != cuda`` would refuse
+    every node as on another device.
+    """
+    if device is None:
+        return _graph_device(gm, example_inputs)
+    device = torch.device(device)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    found = _graph_device(gm, example_inputs)
+    if found is not None:
+        return found
+    return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+
+
 def _is_dynamic(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
     for n in gm.graph.find_nodes(op="placeholder"):
         v = n.meta.get("val")
@@ -317,7 +337,7 @@ def plan_graph(
     output_node = graph.output_node()
     order = {n: i for i, n in enumerate(graph.nodes)}
     calls = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    device = torch.device(device) if device is not None else _graph_device(gm, example_inputs)
+    device = _capture_device(gm, example_inputs, device)
 
     refusals: dict[torch.fx.Node, Unsupported] = {}
     for n in calls:
