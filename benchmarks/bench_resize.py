@@ -23,7 +23,7 @@ it (``FSDPPatternStack(reduce_grads=True)``).
 Reported per variant: the parameter storage the forward allocates (resizes
 up left in the compiled forward graph; every weight in eager), the forward's
 peak memory above its starting point and the whole step's peak above its
-start, the previous step's gradients dropped before it (CUDA:
+start, the previous step's gradients dropped before it and no compile inside it (CUDA:
 the caching allocator's counters; CPU: the profiler's allocation events), the
 median step time, the largest differences of output and weight gradients from
 eager, and ratios to eager.
@@ -147,6 +147,13 @@ def _peak(fn: Callable[[], object], device: torch.device) -> int | None:
     return max(total for _, _, total in events) - start
 
 
+def _compiles() -> tuple[int, int]:
+    """Compiled-autograd captures and Dynamo graphs compiled so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["compiled_autograd"]["captures"], counters["stats"]["unique_graphs"]
+
+
 def _forward_param_allocations(options: dict[str, Any] | None, layers: int, dim: int) -> int:
     """Bytes of parameter storage the forward allocates (its resizes up): every
     layer's weight in eager; in loom, what the compiled forward graph still resizes."""
@@ -180,7 +187,11 @@ def _measure(
             w.untyped_storage().resize_(0)
         for w in model.weights:  # the step's peak, not the previous step's gradients
             w.grad = None
+        compiled = _compiles()
         step_peak = _peak(lambda: _step(model, forward, x), device)
+        # a compile inside the measured step (a compiled-autograd cache miss,
+        # say) would put its own allocations into the peak
+        assert _compiles() == compiled, f"{variant.name}: the measured step compiled"
         timing = time_fn(lambda: _step(model, forward, x), warmup=2, iters=iters, device=device)
         result = _step_grads(model, forward, x)
     assert model.storage_nbytes() == [0] * layers

@@ -232,6 +232,22 @@ def _grads(model: FSDPPatternStack) -> list[torch.Tensor]:
     return [w.grad.clone() for w in model.weights if w.grad is not None]
 
 
+def _drop_grads(model: FSDPPatternStack, x: torch.Tensor) -> None:
+    # NOTE: x.grad too: a step that accumulates into an existing input gradient
+    # is another autograd graph for compiled autograd, so it would recompile the
+    # backward (with Inductor: tens of MiB of compile-time allocations).
+    x.grad = None
+    for w in model.weights:
+        w.grad = None
+
+
+def _compiles() -> tuple[int, int]:
+    """Compiled-autograd captures and Dynamo graphs compiled so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["compiled_autograd"]["captures"], counters["stats"]["unique_graphs"]
+
+
 def _run_stack(
     variant: str,
     reduce_grads: bool,
@@ -240,7 +256,8 @@ def _run_stack(
     steps: int = 3,
 ) -> tuple[list[Any], int]:
     """Outputs, gradients and storage sizes of ``steps`` steps, and the peak
-    memory of one more step above its start (gradients dropped before it)."""
+    memory of one more step above its start (gradients dropped before it). That
+    step is steady state: it must compile nothing (compiled autograd's cache hit)."""
     torch._dynamo.reset()
     model = FSDPPatternStack(LAYERS, DIM, fill="copy", reduce_grads=reduce_grads, device=device)
     forward: Any = (
@@ -253,15 +270,14 @@ def _run_stack(
     seen = []
     with _compiled_autograd(variant == "loom+ca", options):
         for _ in range(steps):
-            x.grad = None
-            for w in model.weights:
-                w.grad = None
+            _drop_grads(model, x)
             out = _stack_step(model, forward, x)
             assert x.grad is not None
             seen.append((out, x.grad.clone(), _grads(model), model.storage_nbytes()))
-        for w in model.weights:
-            w.grad = None
+        _drop_grads(model, x)
+        compiled = _compiles()
         peak = _peak_bytes(lambda: _stack_step(model, forward, x), device)
+        assert _compiles() == compiled, f"{variant}: the measured step compiled"
     return seen, peak
 
 
