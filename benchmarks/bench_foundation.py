@@ -203,10 +203,10 @@ def run_workload(
     round_medians: dict[str, list[float]] = {name: [] for name in runners}
     rounds = ROUNDS
     order = list(runners.items())
-    for r in range(rounds):
+    for rnd in range(rounds):
         # NOTE: the order rotates each round: a variant timed right after a
         # CUDA-graph variant (reduce-overhead) runs slower on a launch-bound step.
-        for name, run in order[r % len(order) :] + order[: r % len(order)]:
+        for name, run in order[rnd % len(order) :] + order[: rnd % len(order)]:
             times = time_fn(run, warmup=2, iters=max(1, iters // rounds), device=device).times_s
             samples[name] += times
             round_medians[name].append(statistics.median(times))
