@@ -7,7 +7,7 @@
 #
 #   bash scripts/gpu_tier.sh                 # tests + benchmarks
 #   GPU_TIER=tests bash scripts/gpu_tier.sh  # only tests (or: bench)
-#   GPU_TESTS_ARGS="-k cudagraph" GPU_BENCHES="bench_cudagraph" bash scripts/gpu_tier.sh
+#   GPU_TESTS_ARGS="-x" GPU_TESTS_K="cudagraph or cache" GPU_BENCHES="bench_cudagraph" bash scripts/gpu_tier.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}
@@ -33,7 +33,7 @@ if [ "${GPU_TIER:-all}" != bench ]; then
   echo "=== gpu tests"
   # shellcheck disable=SC2086
   "$PY" -m pytest packages tests_integration -m "gpu" -q -p no:cacheprovider \
-      -o cache_dir=/tmp/pytest-cache --junitxml="$OUT/gpu-tests.xml" ${GPU_TESTS_ARGS:-} \
+      -o cache_dir=/tmp/pytest-cache --junitxml="$OUT/gpu-tests.xml" ${GPU_TESTS_ARGS:-} ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
       2>&1 | tee "$OUT/gpu-tests.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   # The hook tracer targets CPython 3.11 and 3.12: its unit tests run here on 3.12.
