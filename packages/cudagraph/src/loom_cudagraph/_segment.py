@@ -32,12 +32,10 @@ from loom_cudagraph._reasons import SkipReason, Unsupported
 from loom_cudagraph._skiplog import report_skip
 from loom_cudagraph._torch_compat import (
     data_ptrs_at_indices_equal,
-    foreach_copy,
     foreach_copy_,
     non_overlapping_and_dense,
     storage_id,
     storage_use_count,
-    tensors_data_ptrs_equal,
 )
 
 __all__ = ["CapturedSegment", "SegmentSpec", "SegmentStats", "is_managed"]
@@ -220,7 +218,7 @@ class _Table:
 
     def find(self, inputs: list[Any]) -> _Recording | None:
         for rec in self.recordings:
-            if tensors_data_ptrs_equal(inputs, rec.ptrs, rec.inplace_idx):
+            if data_ptrs_at_indices_equal(inputs, rec.ptrs, rec.inplace_idx):
                 return rec
         return None
 
@@ -320,7 +318,7 @@ class CapturedSegment:
             return None
         rec = table.last
         if rec is None or (
-            rec.inplace_idx and not tensors_data_ptrs_equal(inputs, rec.ptrs, rec.inplace_idx)
+            rec.inplace_idx and not data_ptrs_at_indices_equal(inputs, rec.ptrs, rec.inplace_idx)
         ):
             rec = table.find(inputs) or self._record(table, inputs)
             if rec is None:
@@ -340,7 +338,7 @@ class CapturedSegment:
         siblings = [
             r
             for r in table.recordings
-            if r is not rec and tensors_data_ptrs_equal(inputs, r.ptrs, r.inplace_idx)
+            if r is not rec and data_ptrs_at_indices_equal(inputs, r.ptrs, r.inplace_idx)
         ]
         for r in siblings:
             if not r.pool.blocked(r):
@@ -435,7 +433,8 @@ class CapturedSegment:
             )
             for i in rec.copy_idx
         ]
-        foreach_copy(rec.bufs, [inputs[i] for i in rec.copy_idx])
+        if rec.copy_idx:
+            foreach_copy_(rec.bufs, [inputs[i] for i in rec.copy_idx])
         for i, buf in zip(rec.copy_idx, rec.bufs, strict=True):
             cap_inputs[i] = buf
         mutated = self.spec.mutated_positions

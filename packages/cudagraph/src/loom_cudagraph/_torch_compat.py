@@ -19,7 +19,6 @@ __all__ = [
     "OpOverloadPacket",
     "cuda_graph_replay",
     "data_ptrs_at_indices_equal",
-    "foreach_copy",
     "foreach_copy_",
     "free_unbacked_symbols",
     "is_fake_or_meta",
@@ -27,7 +26,6 @@ __all__ = [
     "non_overlapping_and_dense",
     "storage_id",
     "storage_use_count",
-    "tensors_data_ptrs_equal",
 ]
 
 
@@ -59,12 +57,6 @@ def cuda_graph_replay(graph: Any) -> Callable[[], object]:
     return replay
 
 
-def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all ``i`` in one fused launch where possible."""
-    if dst:
-        torch._foreach_copy_(list(dst), list(src))
-
-
 def free_unbacked_symbols(value: Any) -> set[Any]:
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols as _free
 
@@ -92,11 +84,6 @@ def mutated_args(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> li
             elif arg.name in kwargs:
                 out.append(kwargs[arg.name])
     return out
-
-
-def tensors_data_ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -> bool:
-    """``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` in ``indices``, in C++."""
-    return bool(torch._C._tensors_data_ptrs_at_indices_equal(tensors, ptrs, indices))
 
 
 def non_overlapping_and_dense(t: torch.Tensor) -> bool:
