@@ -148,6 +148,8 @@ def _compile_cold(
         static_idxs: Sequence[int],
         codegen: Codegen,
     ) -> Callable[..., Any]:
+        for stage in STAGES:
+            codegen = stage.wrap_codegen(ctx, g, kind, codegen)
         fn: Callable[..., Any] | None = None
         for stage in STAGES:
             fn = stage.compile(ctx, g, kind, inputs, static_idxs, codegen)

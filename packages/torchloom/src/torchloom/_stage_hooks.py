@@ -167,24 +167,24 @@ class SavedTensorHooksStage(PipelineStage):
             log.debug("graph %d, %s:\n%s", ctx.graph_id, kind, code)
         return fw_gm, bw_gm
 
-    def compile(
-        self,
-        ctx: GraphContext,
-        gm: GraphModule,
-        kind: GraphKind,
-        example_inputs: Sequence[Any],
-        static_input_idxs: Sequence[int],
-        codegen: Codegen,
-    ) -> Callable[..., Any] | None:
+    def wrap_codegen(
+        self, ctx: GraphContext, gm: GraphModule, kind: GraphKind, codegen: Codegen
+    ) -> Codegen:
         state: HooksState | None = ctx.state.get(self.name)
         placement = None if state is None else state.placement
         if placement is None or not placement.moved or kind is GraphKind.INFERENCE:
-            return None
+            return codegen
         # NOTE: Inductor's memory model (torch 2.11, _inductor/memory.py) sums buffers of
         # every device: a copy from a host input frees as much as it allocates, so its
         # peak-memory reordering moves the unpacks' copies to the start of the backward
         # (and may move the pack copies late in the forward). The placement already put
-        # each at its last/first use: keep that order.
+        # each at its last/first use: keep that order (for CUDA-graph segments too).
+        log.debug(
+            "graph %d, %s: %d offloaded tensor(s), codegen in placement order",
+            ctx.graph_id,
+            kind.value,
+            len(placement.moved),
+        )
 
         def in_placement_order(
             g: GraphModule, inputs: Sequence[Any], static: Sequence[int]
@@ -192,20 +192,7 @@ class SavedTensorHooksStage(PipelineStage):
             with compat.inductor_config.patch(reorder_for_peak_memory=False):
                 return codegen(g, inputs, static)
 
-        # Later stages (CUDA-graph segments) may still take the graph over, with this codegen.
-        from torchloom._stages import STAGES
-
-        for stage in STAGES[STAGES.index(self) + 1 :] if self in STAGES else ():
-            fn = stage.compile(ctx, gm, kind, example_inputs, static_input_idxs, in_placement_order)
-            if fn is not None:
-                return fn
-        log.debug(
-            "graph %d, %s: %d offloaded tensor(s), codegen in placement order",
-            ctx.graph_id,
-            kind.value,
-            len(placement.moved),
-        )
-        return in_placement_order(gm, example_inputs, static_input_idxs)
+        return in_placement_order
 
     def wrap_compiled(
         self,

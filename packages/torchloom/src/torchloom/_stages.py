@@ -113,6 +113,13 @@ class PipelineStage:
         """One aten graph (forward, backward or inference) before codegen."""
         return gm
 
+    def wrap_codegen(
+        self, ctx: GraphContext, gm: GraphModule, kind: GraphKind, codegen: Codegen
+    ) -> Codegen:
+        """Change how one aten graph is generated (e.g. with an Inductor setting
+        patched); every stage's ``compile`` and the default path use the result."""
+        return codegen
+
     def compile(
         self,
         ctx: GraphContext,
