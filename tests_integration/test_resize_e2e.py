@@ -109,17 +109,25 @@ def _fresh() -> Iterator[None]:
 
 
 def _train(
-    compiled: bool, fill: str, options: dict[str, Any], device: str, steps: int = 3
+    compiled: bool,
+    fill: str,
+    options: dict[str, Any],
+    device: str,
+    steps: int = 3,
+    dynamic: bool | None = None,
 ) -> list[Any]:
     model, blocks = _model()
     model.to(device)
     sharded = Sharded(model, blocks, fill)
     run = (
-        torch.compile(model, backend="loom", options=options, fullgraph=True) if compiled else model
+        torch.compile(model, backend="loom", options=options, fullgraph=True, dynamic=dynamic)
+        if compiled
+        else model
     )
-    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)).to(device)
     seen = []
-    for _ in range(steps):
+    for step in range(steps):
+        seq = 8 + 3 * step if dynamic else 8
+        x = torch.randn(2, seq, 32, generator=torch.Generator().manual_seed(1)).to(device)
         for p in sharded.params:
             p.grad = None
         loss = run(x).square().mean()
@@ -131,17 +139,18 @@ def _train(
     return seen
 
 
-def _check(fill: str, options: dict[str, Any], device: str = "cpu") -> None:
-    want = _train(False, fill, options, device)
-    got = _train(True, fill, options, device)
+def _check(
+    fill: str, options: dict[str, Any], device: str = "cpu", dynamic: bool | None = None
+) -> None:
+    want = _train(False, fill, options, device, dynamic=dynamic)
+    got = _train(True, fill, options, device, dynamic=dynamic)
     for (l1, g1, f1, b1), (l2, g2, f2, b2) in zip(got, want, strict=True):
         torch.testing.assert_close(l1, l2)
         assert len(g1) == len(g2) == 24
         for a, b in zip(g1, g2, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         assert f1 == f2 and b1 == b2 and not any(f1) and not any(b1)
-    record = torchloom.report()[0]
-    assert record.fallback is None
+    assert [r.fallback for r in torchloom.report()] == [None] * len(torchloom.report())
 
 
 @pytest.mark.parametrize("fill", ["copy", "foreach"])
@@ -152,6 +161,16 @@ def test_sharded_transformer_matches_eager(fill: str) -> None:
     ]
     assert len(removed) == 24
     assert "resize_storage_bytes_" not in dict(torchloom.report()[0].graphs)["forward"]
+
+
+def test_sharded_transformer_with_dynamic_shapes_removes_chains_in_one_graph() -> None:
+    # dynamic=True: one graph serves every sequence length, resize passes applied to it
+    _check("copy", {"codegen": "eager", "cache": False}, dynamic=True)
+    records = [r for r in torchloom.report() if not r.entries_for("pipeline")]
+    assert len(records) == 1
+    removed = records[0].entries_for("resize")
+    assert sum(e.kind == "remove_resize_copy_resize" for e in removed) == 24
+    assert "resize_storage_bytes_" not in dict(records[0].graphs)["forward"]
 
 
 @pytest.mark.gpu

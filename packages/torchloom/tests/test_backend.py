@@ -238,3 +238,47 @@ def test_graph_aot_cannot_trace_falls_back_with_user_location(
     (g, *_) = torchloom.report()
     assert g.fallback is not None
     assert "codegen exploded" in g.fallback and "test_backend.py:" in g.fallback
+
+
+class _SignalInsideAot(PipelineStage):
+    """Raises one of Dynamo's control-flow exceptions from inside AOTAutograd."""
+
+    name = "signal"
+
+    def __init__(self, signal: BaseException) -> None:
+        self.signal = signal
+
+    def after_partition(
+        self, ctx: GraphContext, fw_gm: torch.fx.GraphModule, bw_gm: torch.fx.GraphModule
+    ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        raise self.signal
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize(
+    "signal",
+    [
+        torch._dynamo.exc.TensorifyScalarRestartAnalysis(),
+        torch._dynamo.exc.RestartAnalysis(),
+        torch._dynamo.exc.SkipFrame("skip"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_dynamo_control_flow_exceptions_propagate_and_are_never_a_fallback(
+    signal: BaseException, strict: bool
+) -> None:
+    gm = torch.fx.symbolic_trace(lambda x: ((x.sin() * 3).sum(),))
+    stage = _SignalInsideAot(signal)
+    STAGES.append(stage)
+    try:
+        with pytest.raises(type(signal)):
+            torchloom.loom_backend(
+                gm,
+                [torch.randn(4, requires_grad=True)],
+                options={**EAGER, "strict": strict, "cache": False},
+            )
+    finally:
+        STAGES.remove(stage)
+    (g,) = torchloom.report()
+    assert g.fallback is None
+    assert [e.kind for e in g.entries_for("pipeline")] == ["restart"]

@@ -107,6 +107,13 @@ def compile_graph(
         compile_fn = functools.partial(stage.wrap_backend, ctx, example_inputs, compile_fn)
     try:
         return compile_fn()
+    except compat.CONTROL_FLOW_EXCEPTIONS as signal:
+        # Not a refusal: Dynamo restarts (or skips) the frame and calls the backend again.
+        ctx.record.add_entry(
+            "pipeline", "restart", f"Dynamo asked to {type(signal).__name__}; not compiled here"
+        )
+        log.debug("graph %d: %s propagates to Dynamo", ctx.graph_id, type(signal).__name__)
+        raise
     except LoomRefusal as refusal:
         if options.strict:
             raise
@@ -211,6 +218,8 @@ def _compile_cold(
         ):
             compiled = backend(gm, example_inputs)
     except LoomRefusal:
+        raise
+    except compat.CONTROL_FLOW_EXCEPTIONS:
         raise
     except Exception as err:  # AOTAutograd or codegen could not handle the graph
         if options.strict:

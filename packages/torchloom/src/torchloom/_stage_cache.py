@@ -244,6 +244,8 @@ class CacheStage(PipelineStage):
     ) -> Callable[..., Any]:
         try:
             key = self._key(ctx)
+        except compat.CONTROL_FLOW_EXCEPTIONS:
+            raise
         except Exception as err:  # the cache never fails a compile
             log.warning(
                 "graph %d: loom cache key failed, compiling without it: %r", ctx.graph_id, err

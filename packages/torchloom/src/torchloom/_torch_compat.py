@@ -19,6 +19,7 @@ import torch._inductor.compile_fx as _compile_fx
 import torch._inductor.config as inductor_config
 from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 from torch._dynamo.backends.registry import register_backend as _register_backend
+from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
 from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._inductor.output_code import OutputCode as _OutputCode
 from torch._inductor.utils import BoxedBool
@@ -27,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 
 __all__ = [
+    "CONTROL_FLOW_EXCEPTIONS",
     "AotCacheSlot",
     "BoxedBool",
     "EagerOutputCode",
@@ -49,6 +51,18 @@ __all__ = [
     "register_backend",
     "static_input_indices",
 ]
+
+#: What Dynamo and AOTAutograd raise to steer a compilation rather than to
+#: report a failure: restart the analysis (``TensorifyScalarRestartAnalysis``
+#: when a float input must be specialized under ``dynamic=True``, and the other
+#: ``RestartAnalysis`` kinds), skip the frame, shorten a traceback. Dynamo
+#: catches them around the backend call; a backend that turns one into a
+#: fallback hides the restart and runs the frame eagerly for good.
+CONTROL_FLOW_EXCEPTIONS: tuple[type[BaseException], ...] = (
+    RestartAnalysis,
+    SkipFrame,
+    ShortenTraceback,
+)
 
 # --- AOTAutograd ---------------------------------------------------------------------------
 
@@ -298,6 +312,8 @@ def aot_cache_slot(slot: AotCacheSlot) -> Iterator[None]:
                 compiled = entry.wrap_post_compile(args, aot_config, fx_config)
                 slot.loaded = True
                 return compiled
+            except CONTROL_FLOW_EXCEPTIONS:
+                raise
             except Exception as err:  # a bad entry is a miss, never a failed compile
                 slot.load_error = f"{type(err).__name__}: {err}"
         aot_config.cache_info = AOTAutogradCacheInfo(slot.key, time.time_ns(), symints)
