@@ -80,9 +80,30 @@ def test_report_has_ids_input_metadata_and_timed_stages() -> None:
         ("tensor", "float32", ("3", "4"), False),
     ]
     names = {s.name for s in g.stages}
-    assert {"aot", "partition", "codegen.forward"} <= names
+    assert {"aot", "partition", "compile.forward", "cache.wrap_backend"} <= names
     assert all(s.seconds >= 0 for s in g.stages)
-    assert "graph 0" in rep.format()
+    assert {s.owner for s in g.stages if s.name in ("aot", "partition", "compile.forward")} == {
+        "torch"
+    }
+    assert {s.owner for s in g.stages if s.name.startswith(("cache.", "hooks."))} == {"loom"}
+    assert 0 < g.loom_seconds < g.compile_seconds
+    assert "graph 0" in rep.format() and "loom's own stages" in rep.format()
+
+
+def test_nested_sections_keep_only_their_own_time() -> None:
+    import time
+
+    from torchloom._report import new_record
+
+    record = new_record("t", [], {})
+    with record.timed("outer"):
+        time.sleep(0.02)
+        with record.timed("inner", owner="torch"):
+            time.sleep(0.05)
+    inner, outer = record.build().stages
+    assert (inner.name, inner.owner, outer.name) == ("inner", "torch", "outer")
+    assert inner.seconds >= 0.05 and 0.02 <= outer.seconds < 0.05
+    assert record.build().loom_seconds == outer.seconds
 
 
 def test_graph_without_tensor_work_runs_eagerly_with_a_logged_reason(

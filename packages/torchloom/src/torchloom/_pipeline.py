@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import re
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torchloom import _torch_compat as compat
 from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
 from torchloom._log import get_logger
 from torchloom._options import LoomOptions
-from torchloom._report import InputMeta, new_record
+from torchloom._report import InputMeta, Owner, new_record
 from torchloom._stages import STAGES, Codegen, GraphContext, GraphKind
 
 __all__ = ["compile_graph", "input_metadata"]
@@ -32,13 +32,17 @@ log = get_logger("pipeline")
 graphs_log = get_logger("graphs")
 
 
-@contextlib.contextmanager
-def _timed(ctx: GraphContext, name: str, detail: str = "") -> Iterator[None]:
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        ctx.record.add_stage(name, time.perf_counter() - start, detail)
+def _timed(
+    ctx: GraphContext, name: str, detail: str = "", owner: Owner = "loom"
+) -> contextlib.AbstractContextManager[None]:
+    return ctx.record.timed(name, detail, owner)
+
+
+def _timed_call(
+    ctx: GraphContext, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    with _timed(ctx, name):
+        return fn(*args, **kwargs)
 
 
 def input_metadata(example_inputs: Sequence[Any]) -> list[InputMeta]:
@@ -68,9 +72,15 @@ def _has_tensor_work(gm: GraphModule) -> bool:
 
 
 def _show(ctx: GraphContext, kind: str, gm: GraphModule) -> None:
-    code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+    """Keep the graph's code in the report; with debug logging on, annotated with
+    every value's shape, stride and device (rendering that costs more than a small
+    graph's codegen, so it is not done otherwise)."""
+    if graphs_log.isEnabledFor(logging.DEBUG):
+        code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+        graphs_log.debug("graph %d, %s:\n%s", ctx.graph_id, kind, code)
+    else:
+        code = gm.code
     ctx.record.add_graph(kind, code)
-    graphs_log.debug("graph %d, %s:\n%s", ctx.graph_id, kind, code)
 
 
 def _eager_fallback(ctx: GraphContext, gm: GraphModule, reason: Unsupported) -> Callable[..., Any]:
@@ -93,18 +103,28 @@ def compile_graph(
         options.as_dict(),
     )
     ctx = GraphContext(options, record, gm, example_inputs)
-    _show(ctx, "dynamo", gm)
+    with _timed(ctx, "report.graphs"):
+        _show(ctx, "dynamo", gm)
     if not _has_tensor_work(gm):
         return _eager_fallback(
             ctx, gm, Unsupported(RefusalKind.NO_TENSOR_WORK, "", "the graph has no tensor work")
         )
 
     def cold() -> Callable[..., Any]:
-        return _compile_cold(ctx, gm, example_inputs)
+        with _timed(ctx, "pipeline"):
+            return _compile_cold(ctx, gm, example_inputs)
 
     compile_fn: Callable[[], Callable[..., Any]] = cold
     for stage in reversed(STAGES):
-        compile_fn = functools.partial(stage.wrap_backend, ctx, example_inputs, compile_fn)
+        compile_fn = functools.partial(
+            _timed_call,
+            ctx,
+            f"{stage.name}.wrap_backend",
+            stage.wrap_backend,
+            ctx,
+            example_inputs,
+            compile_fn,
+        )
     try:
         return compile_fn()
     except compat.CONTROL_FLOW_EXCEPTIONS as signal:
@@ -133,12 +153,13 @@ def _compile_cold(
     inductor_state = compat.InductorCompileState() if inductor else None
 
     if inductor:
-        with _timed(ctx, "inductor.pre_grad"):
+        with _timed(ctx, "inductor.pre_grad", owner="torch"):
             gm = compat.inductor_pre_grad_passes(gm, example_inputs)
 
     def partition(joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        _show(ctx, "joint", joint)
-        with _timed(ctx, "partition"):
+        with _timed(ctx, "report.graphs"):
+            _show(ctx, "joint", joint)
+        with _timed(ctx, "partition", owner="torch"):
             if inductor:
                 fw, bw = compat.inductor_partition(joint, joint_inputs, **kwargs)
             else:
@@ -155,24 +176,48 @@ def _compile_cold(
         static_idxs: Sequence[int],
         codegen: Codegen,
     ) -> Callable[..., Any]:
+        base = codegen
+
+        def timed_codegen(
+            g3: GraphModule, inputs3: Sequence[Any], static3: Sequence[int]
+        ) -> Callable[..., Any]:
+            with _timed(ctx, f"codegen.{kind.value}", options.codegen, owner="torch"):
+                return base(g3, inputs3, static3)
+
+        codegen = timed_codegen
         for stage in STAGES:
             codegen = stage.wrap_codegen(ctx, g, kind, codegen)
         fn: Callable[..., Any] | None = None
         for stage in STAGES:
-            fn = stage.compile(ctx, g, kind, inputs, static_idxs, codegen)
+            fn = _timed_call(
+                ctx,
+                f"{stage.name}.compile",
+                stage.compile,
+                ctx,
+                g,
+                kind,
+                inputs,
+                static_idxs,
+                codegen,
+            )
             if fn is not None:
                 break
         if fn is None:
             fn = codegen(g, inputs, static_idxs)
         for stage in STAGES:
-            fn = stage.wrap_compiled(ctx, fn, g, kind, inputs)
+            fn = _timed_call(
+                ctx, f"{stage.name}.wrap_compiled", stage.wrap_compiled, ctx, fn, g, kind, inputs
+            )
         return fn
 
     def compiler(kind: GraphKind, g: GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
         for stage in STAGES:
-            g = stage.before_codegen(ctx, g, kind, inputs)
-        _show(ctx, kind.value, g)
-        with _timed(ctx, f"codegen.{kind.value}", options.codegen):
+            g = _timed_call(
+                ctx, f"{stage.name}.before_codegen", stage.before_codegen, ctx, g, kind, inputs
+            )
+        with _timed(ctx, "report.graphs"):
+            _show(ctx, kind.value, g)
+        with _timed(ctx, f"compile.{kind.value}", options.codegen, owner="torch"):
             if inductor_state is None:
                 static = compat.static_input_indices(
                     kind is GraphKind.BACKWARD, g, inputs, num_dynamo_inputs
@@ -212,7 +257,7 @@ def _compile_cold(
     )
     try:
         with (
-            _timed(ctx, "aot", "trace, partition and forward codegen"),
+            _timed(ctx, "aot", "trace, partition and forward codegen", owner="torch"),
             compat.codegen_context(example_inputs),
             compat.inductor_config.patch(max_autotune=options.max_autotune),
         ):
@@ -233,7 +278,7 @@ def _compile_cold(
             )
         ) from err
     for stage in STAGES:
-        compiled = stage.wrap_runtime(ctx, compiled)
+        compiled = _timed_call(ctx, f"{stage.name}.wrap_runtime", stage.wrap_runtime, ctx, compiled)
     return compiled
 
 

@@ -10,11 +10,13 @@ backward) runs; :func:`report` returns frozen snapshots.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 __all__ = [
     "GraphRecord",
@@ -49,13 +51,21 @@ class InputMeta:
         return f"#{self.index} {self.dtype}[{shape}] {self.device}{grad}"
 
 
+#: Whose work a timed section is: loom's own stages and glue, or PyTorch's
+#: (AOTAutograd's trace, the partitioner, codegen) that loom calls.
+Owner = Literal["loom", "torch"]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageRecord:
-    """A pipeline stage run on a graph: its name, duration and a one-line summary."""
+    """A timed section of one graph's compilation: its name, its own duration
+    (time spent in sections nested inside it is theirs, not its), a one-line
+    summary, and whose work it is."""
 
     name: str
     seconds: float
     detail: str = ""
+    owner: Owner = "loom"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,6 +100,16 @@ class GraphRecord:
     def stage(self, name: str) -> StageRecord | None:
         return next((s for s in self.stages if s.name == name), None)
 
+    @property
+    def loom_seconds(self) -> float:
+        """Time spent in loom's own stages for this graph (PyTorch's work excluded)."""
+        return sum(s.seconds for s in self.stages if s.owner == "loom")
+
+    @property
+    def compile_seconds(self) -> float:
+        """Time the backend spent on this graph: loom's stages and PyTorch's work."""
+        return sum(s.seconds for s in self.stages)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Report:
@@ -118,7 +138,15 @@ class Report:
                 head += f" — eager fallback: {g.fallback}"
             lines.append(head)
             for s in g.stages:
-                lines.append(f"  {s.name:<22} {s.seconds * 1e3:9.1f} ms  {s.detail}")
+                if s.seconds < 5e-5:  # kept in the record, not worth a line
+                    continue
+                owner = "" if s.owner == "loom" else f"({s.owner}) "
+                lines.append(f"  {s.name:<26} {s.seconds * 1e3:9.1f} ms  {owner}{s.detail}")
+            if g.stages:
+                lines.append(
+                    f"  loom's own stages {g.loom_seconds * 1e3:.1f} ms of "
+                    f"{g.compile_seconds * 1e3:.1f} ms in the backend"
+                )
             for e in g.entries:
                 lines.append(f"  [{e.area}] {e.kind}: {e.message}")
         return "\n".join(lines)
@@ -141,10 +169,25 @@ class GraphRecordBuilder:
         self._graphs: list[tuple[str, str]] = []
         self.fallback: str | None = None
         self._lock = threading.Lock()
+        self._open: list[float] = []  # time spent in sections nested in each open one
 
-    def add_stage(self, name: str, seconds: float, detail: str = "") -> None:
+    def add_stage(self, name: str, seconds: float, detail: str = "", owner: Owner = "loom") -> None:
         with self._lock:
-            self._stages.append(StageRecord(name, seconds, detail))
+            self._stages.append(StageRecord(name, seconds, detail, owner))
+
+    @contextlib.contextmanager
+    def timed(self, name: str, detail: str = "", owner: Owner = "loom") -> Iterator[None]:
+        """Time a section; its record keeps only its own time, not its nested sections'."""
+        start = time.perf_counter()
+        self._open.append(0.0)
+        try:
+            yield
+        finally:
+            total = time.perf_counter() - start
+            nested = self._open.pop()
+            if self._open:
+                self._open[-1] += total
+            self.add_stage(name, max(total - nested, 0.0), detail, owner)
 
     def add_entry(self, area: str, kind: str, message: str, **data: Any) -> None:
         with self._lock:

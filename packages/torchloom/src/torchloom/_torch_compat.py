@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch._dynamo
 import torch._functorch.config as functorch_config
-import torch._inductor.compile_fx as _compile_fx
 import torch._inductor.config as inductor_config
 from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 from torch._dynamo.backends.registry import register_backend as _register_backend
@@ -64,6 +63,15 @@ CONTROL_FLOW_EXCEPTIONS: tuple[type[BaseException], ...] = (
     ShortenTraceback,
 )
 
+
+def _compile_fx() -> Any:
+    """``torch._inductor.compile_fx``, imported on first use: it pulls in Inductor's
+    lowerings and autotuning (seconds of import), which eager codegen never needs."""
+    import torch._inductor.compile_fx as compile_fx
+
+    return compile_fx
+
+
 # --- AOTAutograd ---------------------------------------------------------------------------
 
 
@@ -110,26 +118,26 @@ def inductor_decompositions() -> Any:
 
 
 def inductor_pre_grad_passes(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:
-    return _compile_fx.run_pre_grad_passes(gm, example_inputs)
+    return _compile_fx().run_pre_grad_passes(gm, example_inputs)  # type: ignore[no-any-return]
 
 
 def inductor_partition(gm: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """Inductor's partition step: joint-graph passes, then min-cut rematerialization."""
-    return _compile_fx.partition_fn(gm, joint_inputs, **kwargs)
+    return _compile_fx().partition_fn(gm, joint_inputs, **kwargs)
 
 
 class InductorCompileState:
     """Per-Dynamo-graph state Inductor threads through forward and backward."""
 
     def __init__(self) -> None:
-        self.extra = _compile_fx.create_compiler_config_extra(inductor_config)
+        self.extra = _compile_fx().create_compiler_config_extra(inductor_config)
 
 
 def inductor_compile_inner(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """Inductor's per-graph compiler, with Inductor's own CUDA graphs off
     (loom's runtime owns CUDA graphs)."""
     kwargs["cudagraphs"] = BoxedBool(False)
-    return _compile_fx.compile_fx_inner(gm, example_inputs, **kwargs)
+    return _compile_fx().compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 def inductor_compile_forward(
@@ -142,7 +150,7 @@ def inductor_compile_forward(
     is_inference: bool,
     inner_compile: Callable[..., Any],
 ) -> Any:
-    return _compile_fx.compile_fx_forward(
+    return _compile_fx().compile_fx_forward(
         gm,
         example_inputs,
         num_orig_model_outputs=num_orig_model_outputs,
@@ -160,13 +168,16 @@ def inductor_compile_backward(
     *,
     inner_compile: Callable[..., Any],
 ) -> Any:
-    return _compile_fx.compile_fx_backward(
+    return _compile_fx().compile_fx_backward(
         gm, example_inputs, compiler_config_extra=state.extra, inner_compile=inner_compile
     )
 
 
 def num_model_outputs(gm: GraphModule) -> int:
-    return _compile_fx.get_num_model_outputs(gm)
+    """What ``compile_fx.get_num_model_outputs`` counts: the output node's leaves."""
+    import torch.utils._pytree as pytree
+
+    return len(pytree.arg_tree_leaves(*gm.graph.output_node().args))
 
 
 # --- Dynamo --------------------------------------------------------------------------------
@@ -211,7 +222,12 @@ def static_input_indices(
     if is_backward:
         return list(range(count_tangents(gm)))
     fixed = num_fw_fixed_arguments(num_dynamo_inputs, len(example_inputs))
-    return list(_compile_fx.get_static_input_idxs(fixed))
+    # As ``compile_fx.get_static_input_idxs``: AOTAutograd's static inputs when it
+    # recorded them (parameters and buffers inlined as inputs), else the fixed ones.
+    context = TracingContext.try_get()
+    if context is None or not context.fw_metadata:
+        return list(range(fixed))
+    return list(context.fw_metadata.static_input_indices)
 
 
 # --- loom cache: AOTAutograd's result slots ------------------------------------------------
