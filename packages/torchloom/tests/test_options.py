@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
+from typing import Any
 
 import pytest
 
@@ -69,3 +71,69 @@ def test_unknown_mode_lists_valid_modes() -> None:
 def test_options_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         LoomOptions().codegen = "eager"  # type: ignore[misc]
+
+
+def _two_values(name: str) -> tuple[Any, Any, str, str]:
+    """Two distinct valid values of one option, with their environment spellings."""
+    default = getattr(LoomOptions(), name)
+    tp = typing.get_type_hints(LoomOptions)[name]
+    if typing.get_origin(tp) is typing.Literal:
+        a, b = typing.get_args(tp)[:2]
+        return a, b, str(a), str(b)
+    if isinstance(default, bool):
+        return True, False, "1", "0"
+    return 3, 4, "3", "4"
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(LoomOptions)])
+def test_each_option_precedence_is_defaults_env_mode_options(name: str) -> None:
+    a, b, env_a, _ = _two_values(name)
+    var = f"TORCHLOOM_{name.upper()}"
+    assert getattr(resolve_options(env={var: env_a}), name) == a  # env beats the default
+    assert getattr(resolve_options(options={name: b}, env={var: env_a}), name) == b
+    for mode, implied in MODES.items():
+        if name in implied:  # mode beats env; options beat mode
+            flipped = not implied[name]
+            env = {var: "1" if flipped else "0"}
+            assert getattr(resolve_options(mode=mode, env=env), name) == implied[name]
+            got = resolve_options(mode=mode, options={name: flipped}, env=env)
+            assert getattr(got, name) == flipped
+
+
+def test_cache_env_off_loses_to_options_on_in_the_cache_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    import torchloom
+
+    monkeypatch.setenv("TORCHLOOM_CACHE", "0")
+    torchloom.reset()
+    f = torch.compile(
+        lambda x: x.cos() * 5, backend="loom", options={"codegen": "eager", "cache": True}
+    )
+    f(torch.randn(3))
+    kinds = [e.kind for e in torchloom.report().entries("cache")]
+    assert kinds == ["miss", "stored"]
+    torch._dynamo.reset()
+    torchloom.reset()
+    g = torch.compile(lambda x: x.cos() * 6, backend="loom", options={"codegen": "eager"})
+    g(torch.randn(3))
+    (bypass,) = torchloom.report().entries("cache")
+    assert bypass.kind == "bypass" and "off" in bypass.message
+
+
+def test_cudagraph_or_error_env_loses_to_options_in_the_cudagraph_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torchloom._stage_cudagraph import _options
+    from torchloom._stages import GraphContext
+
+    monkeypatch.setenv("TORCHLOOM_CUDAGRAPH_OR_ERROR", "1")
+
+    def stage_options(**options: Any) -> bool:
+        ctx = GraphContext(resolve_options(options=options), None, None, ())  # type: ignore[arg-type]
+        return _options(ctx).or_error
+
+    assert stage_options() is True
+    assert stage_options(cudagraph_or_error=False) is False

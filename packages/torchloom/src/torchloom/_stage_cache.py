@@ -198,7 +198,7 @@ class CacheStage(PipelineStage):
             log.info("graph %d: %s", ctx.graph_id, bypass)
 
     def _key(self, ctx: GraphContext) -> loom_cache.CacheKey | loom_cache.CacheBypass:
-        if not ctx.options.cache or os.environ.get("TORCHLOOM_CACHE", "1") == "0":
+        if not ctx.options.cache:  # TORCHLOOM_CACHE is resolved into the options, once
             return loom_cache.CacheBypass(
                 loom_cache.CacheBypassKind.DISABLED, "options", "the loom cache is off"
             )

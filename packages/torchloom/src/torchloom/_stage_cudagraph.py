@@ -49,13 +49,15 @@ def cudagraph_stats() -> list[loom_cudagraph.RuntimeStats]:
 
 
 def _options(ctx: GraphContext) -> loom_cudagraph.CudagraphOptions:
+    # NOTE: no ``with_env()``: TORCHLOOM_CUDAGRAPH_OR_ERROR is already resolved into
+    # ctx.options, below mode= and options=; reading it again here would let it win.
     o = ctx.options
     return loom_cudagraph.CudagraphOptions(
         or_error=o.cudagraph_or_error,
         max_recording=o.cudagraph_max_recording,
         min_segment_nodes=o.cudagraph_min_segment_nodes,
         max_shapes=o.cudagraph_max_shapes,
-    ).with_env()
+    )
 
 
 def _graph_name(ctx: GraphContext, kind: GraphKind) -> str:
