@@ -38,32 +38,92 @@ def _sources(folder: str) -> list[Path]:
     return sorted((ROOT / "packages" / folder / "src").rglob("*.py"))
 
 
+# Private attributes of torch objects (operators, tensors, compiled callables) that
+# code may reach without naming ``torch._...``: they count as private torch APIs too.
+TORCH_PRIVATE_ATTRS = frozenset(
+    {
+        "_schema",
+        "_boxed_call",
+        "_overloadpacket",
+        "_overloadname",
+        "_opname",
+        "_typed_storage",
+        "_cdata",
+        "_version",
+        "_base",
+        "_backward_hooks",
+        "_forward_hooks",
+        "_forward_pre_hooks",
+    }
+)
+# Public-looking torch modules whose API is internal: imported only in compat modules.
+TORCH_INTERNAL_MODULES = ("torch.fx.experimental",)
+
+
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _private_module(module: str) -> bool:
+    return bool(re.match(r"(torch|functorch)(\.|$)", module)) and (
+        any(_private(part) for part in module.split("."))
+        or module.startswith(TORCH_INTERNAL_MODULES)
+    )
+
+
+def private_torch_uses(path: Path) -> list[str]:
+    """Every private torch name a source file uses: ``torch.<...>._x`` at any depth,
+    private attributes of torch objects, imports of private or internal torch modules."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            if _root_name(node) == "torch" or node.attr in TORCH_PRIVATE_ATTRS:
+                found.append(f"{node.lineno} .{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if _private_module(node.module):
+                found.append(f"{node.lineno} from {node.module}")
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno} {a.name}" for a in node.names if _private_module(a.name)]
+    return found
+
+
 @pytest.mark.parametrize("folder", sorted(PACKAGES))
 def test_private_torch_apis_only_in_compat_module(folder: str) -> None:
-    offenders = []
-    for path in _sources(folder):
-        if path.name in COMPAT_FILES:
-            continue
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            name = None
-            if isinstance(node, ast.Attribute):
-                name = node.attr
-                base = node.value
-                if isinstance(base, ast.Name) and base.id == "torch" and _private(name):
-                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} torch.{name}")
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                if re.match(r"(torch|functorch)(\.|$)", node.module) and any(
-                    _private(part) for part in node.module.split(".")
-                ):
-                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} from {node.module}")
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.name.startswith("torch") and any(
-                        _private(p) for p in alias.name.split(".")
-                    ):
-                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {alias.name}")
+    offenders = [
+        f"{path.relative_to(ROOT)}:{use}"
+        for path in _sources(folder)
+        if path.name not in COMPAT_FILES
+        for use in private_torch_uses(path)
+    ]
     assert not offenders, "private torch APIs outside _torch_compat.py:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("folder", sorted(PACKAGES))
+def test_one_compat_module_per_package(folder: str) -> None:
+    compat = [p for p in _sources(folder) if p.name == "_torch_compat.py"]
+    assert len(compat) <= 1, compat
+
+
+def test_the_private_torch_rule_catches_each_form(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import torch\n"
+        "import torch._dynamo\n"
+        "from torch.fx.experimental.proxy_tensor import make_fx\n"
+        "x = torch.fx._symbolic_trace\n"
+        "y = torch.ops.aten.add.Tensor._schema\n"
+        "def f(fn): fn._boxed_call = True\n"
+        "z = torch.nn.functional.relu\n"
+    )
+    assert [u.split()[-1] for u in private_torch_uses(sample)] == [
+        "torch._dynamo",
+        "torch.fx.experimental.proxy_tensor",
+        "._symbolic_trace",
+        "._schema",
+        "._boxed_call",
+    ]
 
 
 @pytest.mark.parametrize("folder", sorted(PACKAGES))

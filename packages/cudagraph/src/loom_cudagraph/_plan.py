@@ -28,7 +28,7 @@ from loom_cudagraph._classify import (
 )
 from loom_cudagraph._options import CudagraphOptions
 from loom_cudagraph._reasons import SkipReason, Unsupported
-from loom_cudagraph._torch_compat import OpOverload, mutated_args
+from loom_cudagraph._torch_compat import OpOverload, is_mutable_op, mutated_args
 
 __all__ = ["PartitionPlan", "PlanError", "SegmentPlan", "plan_graph"]
 
@@ -245,7 +245,7 @@ def _is_ordered(node: torch.fx.Node) -> bool:
     """Nodes whose relative order must survive scheduling: effects and RNG draws."""
     target = node.target
     if isinstance(target, OpOverload):
-        if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+        if is_mutable_op(target) or torch.Tag.nondeterministic_seeded in target.tags:
             return True
     return node.is_impure()
 

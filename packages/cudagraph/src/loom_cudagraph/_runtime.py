@@ -25,6 +25,7 @@ from loom_cudagraph._pool import MemoryPool
 from loom_cudagraph._segment import CapturedSegment, Listener, SegmentSpec, SegmentStats
 from loom_cudagraph._skiplog import report_plan_skips
 from loom_cudagraph._split import split_by_plan
+from loom_cudagraph._torch_compat import mark_boxed
 
 __all__ = [
     "CompileSegment",
@@ -114,7 +115,7 @@ class CudagraphRuntime:
     ) -> None:
         # NOTE: an instance attribute, so wrappers made with functools.wraps
         # (torch._dynamo.disable around a backward) keep the boxed convention.
-        self._boxed_call = True
+        mark_boxed(self)
         self.plan = plan
         self._steps = steps
         self._outputs = outputs

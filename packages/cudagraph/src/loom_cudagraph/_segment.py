@@ -33,6 +33,7 @@ from loom_cudagraph._skiplog import report_skip
 from loom_cudagraph._torch_compat import (
     data_ptrs_at_indices_equal,
     foreach_copy_,
+    mark_boxed,
     non_overlapping_and_dense,
     storage_id,
     storage_use_count,
@@ -271,7 +272,7 @@ class CapturedSegment:
         self.replays = 0
         self.uncaptured_calls = 0
         self.pool_bytes = 0
-        self._boxed_call = True
+        mark_boxed(self)
 
     # --- per call ------------------------------------------------------------------------
 

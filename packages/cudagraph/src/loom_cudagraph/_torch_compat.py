@@ -22,6 +22,8 @@ __all__ = [
     "foreach_copy_",
     "free_unbacked_symbols",
     "is_fake_or_meta",
+    "is_mutable_op",
+    "mark_boxed",
     "mutated_args",
     "non_overlapping_and_dense",
     "storage_id",
@@ -67,6 +69,17 @@ def is_fake_or_meta(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+def is_mutable_op(target: OpOverload) -> bool:
+    """Whether the operator's schema declares that it writes an argument."""
+    return bool(target._schema.is_mutable)
+
+
+def mark_boxed(fn: Any) -> None:
+    """Mark ``fn`` as taking its inputs as one list (AOTAutograd's boxed calling
+    convention, read off the ``_boxed_call`` attribute)."""
+    fn._boxed_call = True
 
 
 def mutated_args(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:

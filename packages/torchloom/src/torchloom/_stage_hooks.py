@@ -214,8 +214,7 @@ class SavedTensorHooksStage(PipelineStage):
                 replay()
             return out
 
-        backward_then_unpack_effects._boxed_call = True  # type: ignore[attr-defined]
-        return backward_then_unpack_effects
+        return compat.mark_boxed(backward_then_unpack_effects)
 
     def before_codegen(
         self, ctx: GraphContext, gm: GraphModule, kind: GraphKind, example_inputs: Sequence[Any]

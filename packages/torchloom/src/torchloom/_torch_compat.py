@@ -46,6 +46,7 @@ __all__ = [
     "inductor_decompositions",
     "inductor_partition",
     "inductor_pre_grad_passes",
+    "mark_boxed",
     "num_model_outputs",
     "register_backend",
     "static_input_indices",
@@ -198,6 +199,13 @@ def backend_registered(name: str) -> bool:
 
 
 # --- eager codegen and static inputs -------------------------------------------------------
+
+
+def mark_boxed(fn: Any) -> Any:
+    """Mark ``fn`` as taking its inputs as one list that it may clear
+    (AOTAutograd's boxed calling convention, read off ``_boxed_call``)."""
+    fn._boxed_call = True
+    return fn
 
 
 def boxed_graph_callable(gm: GraphModule) -> Callable[[list[Any]], Any]:

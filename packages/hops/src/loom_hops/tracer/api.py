@@ -9,11 +9,10 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from loom_sidefx import ArgSource, ObjectSource, compile_guards
 
-from . import _torch_compat
+from .. import _torch_compat
 from . import ops_arith as _ops_arith  # noqa: F401  (registers handlers)
 from . import ops_call as _ops_call  # noqa: F401
 from . import ops_control as _ops_control  # noqa: F401
@@ -104,7 +103,7 @@ def _fake_mode_for(example_args: Sequence[Any]) -> Any:
     while stack:
         x = stack.pop()
         if isinstance(x, torch.Tensor):
-            mode = _torch_compat.fake_mode_of(x)
+            mode = _torch_compat.fake_mode_of_tensor(x)
             if mode is not None:
                 return mode
         elif isinstance(x, (tuple, list)):
@@ -119,7 +118,7 @@ def _lower(ctx: TraceContext, torch_gm: torch.fx.GraphModule) -> torch.fx.GraphM
         fakes = [fake.detach() for _, _, fake in ctx.inputs]
     functional = torch.func.functionalize(torch_gm, remove="mutations_and_views")
     with ctx.fake_mode, _torch_compat.python_dispatcher():
-        gm = make_fx(functional, tracing_mode="real")(*fakes)
+        gm = _torch_compat.make_fx(functional, tracing_mode="real")(*fakes)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.aten.copy_.default:
             target = node.args[0]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import _torch_compat
+from .. import _torch_compat
 from .attributes import get_attr
 from .containers import call_dict_method, call_list_method, call_set_method, iterate
 from .context import TraceContext, is_const, is_symbolic, operand

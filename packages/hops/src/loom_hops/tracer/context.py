@@ -39,7 +39,7 @@ from loom_sidefx import (
     is_constant,
 )
 
-from . import _torch_compat
+from .. import _torch_compat
 from .effects import PendingEffect, PlanRecorder
 from .predicates import EqualTo, TensorMeta
 from .refusal import Refused, TraceRefusal, refuse
