@@ -201,10 +201,10 @@ def backend_registered(name: str) -> bool:
 # --- eager codegen and static inputs -------------------------------------------------------
 
 
-def mark_boxed(fn: Any) -> Any:
+def mark_boxed(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark ``fn`` as taking its inputs as one list that it may clear
     (AOTAutograd's boxed calling convention, read off ``_boxed_call``)."""
-    fn._boxed_call = True
+    fn._boxed_call = True  # type: ignore[attr-defined]
     return fn
 
 
