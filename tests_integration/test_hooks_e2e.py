@@ -117,6 +117,173 @@ def test_fp8_python_hooks_with_inductor_on_cpu() -> None:
     _check("cpu", "fp8")
 
 
+# -- hook pairs guarded by content, not identity ------------------------------------
+
+
+def _frames() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
+def _save_on_cpu_steps(fn: Any, model: torch.nn.Module, steps: int) -> list[list[torch.Tensor]]:
+    """``steps`` training steps, each under a new ``save_on_cpu()`` (new closures)."""
+    torch.manual_seed(1)
+    xs = [torch.randn(16, 64) for _ in range(steps)]
+    results = []
+    for x in xs:
+        model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.save_on_cpu(device_type="cpu"):
+            out = fn(x)
+        out.square().mean().backward()
+        results.append([out.detach(), *(p.grad.clone() for p in model.parameters())])
+    return results
+
+
+@pytest.mark.parametrize(
+    ("backend", "options"),
+    [
+        ("aot_eager", None),
+        ("loom", {"codegen": "eager"}),
+        pytest.param("loom", {}, marks=pytest.mark.inductor, id="loom-inductor"),
+    ],
+    ids=["aot_eager", "loom-eager", "loom-inductor"],
+)
+def test_save_on_cpu_around_every_step_compiles_once(backend: str, options: Any) -> None:
+    """PyTorch's helper makes new hook closures each time it is entered: a guard on
+    their identity recompiled every step until Dynamo's limit, then ran eagerly."""
+    model = _mlp("cpu", width=64, layers=2)
+    want = _save_on_cpu_steps(model, model, 10)
+    kwargs = {} if options is None else {"options": options}
+    compiled = torch.compile(model, backend=backend, **kwargs)
+    got = _save_on_cpu_steps(compiled, model, 10)
+    assert _frames() == 1
+    for g, w in zip(got, want, strict=True):
+        assert _rel_err(g, w) < 1e-5
+    if backend == "loom":
+        assert len(torchloom.report()) == 1
+        (placed,) = [e for e in torchloom.report().entries("hooks") if e.kind == "placed"]
+        assert placed.get("packed")
+
+
+def _user_pair(scale: float) -> tuple[Any, Any]:
+    """A pair built inside the step, as user code often does."""
+
+    def pack(t: torch.Tensor) -> Any:
+        return (t.dtype, (t * scale).to(torch.bfloat16))
+
+    def unpack(p: Any) -> torch.Tensor:
+        return (p[1] / scale).to(p[0])
+
+    return pack, unpack
+
+
+def test_two_user_pairs_alternating_keep_one_compilation_each() -> None:
+    model = _mlp("cpu", width=64, layers=2)
+    x = torch.randn(16, 64)
+    compiled = torch.compile(model, backend="loom", options={"codegen": "eager"})
+    for step in range(8):
+        hooks = (bf16_pack, cast_unpack) if step % 2 else _user_pair(4.0)
+        assert _rel_err(_step(compiled, model, x, hooks), _step(model, model, x, hooks)) < 1e-2
+    assert _frames() == 2 and len(torchloom.report()) == 2
+    why = [e.message for e in torchloom.report().entries("hooks") if e.kind == "variant"]
+    assert len(why) == 2 and "the first" in why[0]
+    assert "new saved-tensor hook pair #2" in why[1] and "code differs" in why[1]
+
+
+def test_a_closure_value_the_trace_read_recompiles_exactly_once() -> None:
+    config = {"scale": 4.0}
+
+    def pack(t: torch.Tensor) -> Any:
+        return (t.dtype, (t * config["scale"]).to(torch.bfloat16), config["scale"])
+
+    def unpack(p: Any) -> torch.Tensor:
+        return (p[1] / p[2]).to(p[0])
+
+    model = _mlp("cpu", width=64, layers=2)
+    x = torch.randn(16, 64)
+    compiled = torch.compile(model, backend="loom", options={"codegen": "eager"})
+    for scale in (4.0, 4.0, 1024.0, 1024.0, 1024.0):
+        config["scale"] = scale
+        got, want = (
+            _step(compiled, model, x, (pack, unpack)),
+            _step(model, model, x, (pack, unpack)),
+        )
+        assert _rel_err(got, want) < 1e-6
+    assert _frames() == 2
+    why = [e.message for e in torchloom.report().entries("hooks") if e.kind == "variant"]
+    assert "traced_value differs" in why[1] and "scale" in why[1]
+
+
+_GRAD_HOOK_PROGRAM = r"""
+import json, torch, torchloom
+from loom_hops import _grad_hook_inline
+
+python_runs = [0]
+run_hooks = _grad_hook_inline.run_hooks
+
+
+def counting(*args):
+    python_runs[0] += 1
+    return run_hooks(*args)
+
+
+_grad_hook_inline.run_hooks = counting
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+sink = []
+
+
+def step(x):
+    h = torchloom.grad_hook(model[0](x), lambda g: sink.append(g.norm()), lambda g: g * 0.5)
+    return model[2](model[1](h)).square().mean()
+
+
+x = torch.randn(8, 16)
+step(x).backward()
+want = [sink[-1].item(), *(p.grad.sum().item() for p in model.parameters())]
+model.zero_grad(set_to_none=True)
+torch.compile(step, backend="loom", options={"codegen": "eager"})(x).backward()
+got = [sink[-1].item(), *(p.grad.sum().item() for p in model.parameters())]
+print(json.dumps({
+    "cache": [e.kind for e in torchloom.report().entries("cache")],
+    "grad_hooks": [e.kind for e in torchloom.report().entries("grad_hooks")],
+    "python_runs": python_runs[0],
+    "got": got,
+    "want": want,
+}))
+"""
+
+
+def test_grad_hook_is_inlined_with_the_cache_on_cold_and_on_a_hit_in_a_fresh_process(
+    tmp_path: Any,
+) -> None:
+    """The cache (on by default) no longer compiles such a backward ahead of time: it
+    is compiled at the first backward, when the hooks are known, and stored then; a
+    fresh process served from the cache replays the inlined hooks too."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "TORCHLOOM_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", _GRAD_HOOK_PROGRAM],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.splitlines()[-1]
+        )
+        for _ in range(2)
+    ]
+    assert [r["cache"] for r in runs] == [["miss", "pending", "stored"], ["hit"]]
+    for run in runs:
+        assert run["grad_hooks"] == ["inlined"] and run["python_runs"] == 0
+        torch.testing.assert_close(run["got"], run["want"])
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("name", list(HOOKS))

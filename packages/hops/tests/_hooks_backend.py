@@ -66,7 +66,7 @@ def hooks_backend(
             def run_bw(args: Any) -> Any:
                 out = fn(args)
                 for replay in effects:
-                    replay()
+                    replay(pair)
                 return out
 
             run_bw._boxed_call = True  # type: ignore[attr-defined]
@@ -80,10 +80,11 @@ def hooks_backend(
             return compiled  # type: ignore[no-any-return]
 
         def run(*args: Any) -> Any:
+            active = loom_hops.active_saved_tensors_hooks() or pair
             with loom_hops.eager_saved_tensors_hooks_disabled():
                 out = compiled(*args)
             for replay in placed[0].pack_effects:
-                replay()
+                replay(active)
             return out
 
         return run

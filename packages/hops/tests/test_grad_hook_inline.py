@@ -144,3 +144,60 @@ def test_hooks_the_tracer_cannot_inline_stay_python_calls_with_the_reason(
     assert why in reason
     targets = [n.target for n in inlining.result.graph_module.graph.nodes]
     assert torch.ops.loom.grad_hook.default in targets
+
+
+def _count_python_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from loom_hops import _grad_hook_inline
+
+    runs = [0]
+    run_hooks = _grad_hook_inline.run_hooks
+
+    def counting(*args: Any) -> torch.Tensor:
+        runs[0] += 1
+        return run_hooks(*args)
+
+    monkeypatch.setattr(_grad_hook_inline, "run_hooks", counting)
+    return runs
+
+
+def test_a_backward_loaded_in_another_process_finds_its_traces_from_the_calls_hooks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replay key is content-derived: a backward served from a cache in a fresh
+    process (no traces in memory) traces the hooks of its first call and, finding the
+    key again, replays them instead of running them as Python."""
+    from loom_hops import _grad_hook_inline
+
+    x = torch.randn(5)
+    want = _run(_step, x, [[], [], []])
+    results: list[loom_hops.GradHookInlining] = []
+    compiled = torch.compile(_step, backend=_backend(results), fullgraph=True)
+    _run(compiled, x, [[], [], []])
+    replay = torch.ops.loom.grad_hook_replay.default
+    nodes = results[0].result.graph_module.graph.nodes
+    keys = [n.args[3] for n in nodes if n.target is replay]
+    assert len(keys) == 1
+    monkeypatch.setattr(_grad_hook_inline, "_traced", {})
+    runs = _count_python_runs(monkeypatch)
+    got = _run(compiled, x, [[], [], []])
+    assert runs[0] == 0 and list(_grad_hook_inline._traced) == keys
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[2], want[2])
+
+
+def test_hooks_that_do_not_trace_to_the_key_run_as_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loom_hops import _grad_hook_inline
+
+    results: list[loom_hops.GradHookInlining] = []
+    compiled = torch.compile(_record_into_holder, backend=_backend(results), fullgraph=True)
+    x = torch.randn(4, requires_grad=True)
+    HOLDER["sink"] = []
+    compiled(x).backward()
+    monkeypatch.setattr(_grad_hook_inline, "_traced", {})
+    monkeypatch.setattr(_grad_hook_inline, "_retrace_failed", set())
+    runs = _count_python_runs(monkeypatch)
+    sink: Any = collections.deque()  # the trace guarded `type(...) is list`
+    HOLDER["sink"] = sink
+    compiled(x).backward()
+    assert runs[0] == 1 and not _grad_hook_inline._traced
+    torch.testing.assert_close(list(sink), [(2 * x.detach().cos()).norm()])

@@ -1,4 +1,5 @@
-"""Runtime: a compilation is reused only under the pair it placed; eager packing is off."""
+"""Runtime: a compilation is reused under any pair equal by content to the one it placed
+(not only the same objects); eager packing is off."""
 
 from __future__ import annotations
 
@@ -53,6 +54,41 @@ def test_python_hooks_changing_between_calls_recompile() -> None:
             _step(fn, x)
     assert log.compiles == 2
     assert set(seen) == {"a", "b"}  # refused pairs stay eager, each with its own hook
+
+
+def test_save_on_cpu_entered_for_every_step_compiles_once() -> None:
+    """``save_on_cpu()`` makes two new closures each time it is entered."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    backend, log = hooks_backend()
+    fn = torch.compile(model, backend=backend)
+    x = torch.randn(2, 4)
+    for _ in range(10):
+        with torch.autograd.graph.save_on_cpu(device_type="cpu"):
+            got = fn(x)
+        got.sum().backward()
+    assert log.compiles == 1
+    placement = log.placements[0]
+    assert isinstance(placement, loom_hops.Placement) and placement.packed
+
+
+def test_hooks_made_per_call_reuse_the_compilation_and_keep_their_own_state() -> None:
+    def make(log: list[tuple[int, ...]]) -> tuple[Any, Any]:
+        def pack(t: torch.Tensor) -> Any:
+            log.append(tuple(t.shape))
+            return (t.dtype, t.to(torch.bfloat16))
+
+        return pack, lambda p: p[1].to(p[0])
+
+    backend, log = hooks_backend()
+    fn = torch.compile(torch.nn.Linear(4, 4), backend=backend)
+    x = torch.randn(2, 4, requires_grad=True)
+    logs: list[list[tuple[int, ...]]] = [[], [], []]
+    for packed in logs:
+        with torch.autograd.graph.saved_tensors_hooks(*make(packed)):
+            _step(fn, x)
+    assert log.compiles == 1
+    assert logs[0] and logs[0] == logs[1] == logs[2]  # each pair's list got its own call
 
 
 def test_no_grad_calls_pack_nothing() -> None:

@@ -172,6 +172,62 @@ def test_second_process_gets_a_full_hit_with_identical_outputs_and_gradients(
     assert runs[0][1:] == runs[1][1:]
 
 
+_GRAD_HOOK_PROCESS = r"""
+import torch, torchloom
+from loom_hops import _grad_hook_inline
+python_runs = [0]
+run_hooks = _grad_hook_inline.run_hooks
+def counting(*args):
+    python_runs[0] += 1
+    return run_hooks(*args)
+_grad_hook_inline.run_hooks = counting
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+sink = []
+@torch.compile(backend="loom", options={"codegen": "eager"}, fullgraph=True)
+def step(x):
+    h = torchloom.grad_hook(model[0](x), lambda g: sink.append(g.norm()), lambda g: g * 0.5)
+    return model[2](model[1](h)).pow(2).sum()
+for _ in range(2):
+    step(torch.ones(5, 8)).backward()
+kinds = ",".join(e.kind for e in torchloom.report().entries("cache"))
+hooks = ",".join(e.kind for e in torchloom.report().entries("grad_hooks"))
+grads = ",".join(repr(p.grad.double().sum().item()) for p in model.parameters())
+print(kinds, hooks, python_runs[0], repr(float(sum(sink))), grads)
+"""
+
+
+def test_grad_hooks_are_inlined_with_the_cache_on_cold_and_on_a_hit_in_another_process(
+    _fresh: Path,
+) -> None:
+    """The backward of a graph with grad_hook sites compiles at its first call, when
+    the hooks are known (the entry is stored right after); a hit in a fresh process
+    finds the traces again from its first call's hooks: no hook runs as Python."""
+    env = {**os.environ, "TORCHLOOM_CACHE_DIR": str(_fresh)}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _GRAD_HOOK_PROCESS],
+            env={**env, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        for seed in ("1", "2")
+    ]
+    assert runs[0][:3] == ["miss,pending,stored", "inlined", "0"]
+    assert runs[1][:3] == ["hit", "inlined", "0"]
+    assert runs[0][3:] == runs[1][3:]
+
+
+def test_content_equal_hook_pairs_give_one_key() -> None:
+    """Hook pairs are keyed by content: new GraphModules of the same graphs hit."""
+    _step_with_hooks(2.0)
+    (stored,) = [e for e in torchloom.report().entries("cache") if e.kind == "stored"]
+    _step_with_hooks(2.0)  # new GraphModule objects, equal graphs
+    (hit,) = torchloom.report().entries("cache")
+    assert hit.kind == "hit" and hit.get("digest") == stored.get("digest")
+
+
 def test_torchloom_cache_command_shows_stats_and_explains_the_last_miss(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -212,7 +268,7 @@ def test_saved_tensor_hooks_enter_the_key_and_a_hit_replays_their_placement() ->
     cold = _step_with_hooks(2.0)
     assert [k for k, _ in _cache_entries()] == ["miss", "stored"]
     cold_hooks = [(e.kind, e.message) for e in torchloom.report().entries("hooks")]
-    assert [k for k, _ in cold_hooks] == ["placed"]
+    assert [k for k, _ in cold_hooks] == ["variant", "placed"]
     warm = _step_with_hooks(2.0)
     assert [k for k, _ in _cache_entries()] == ["hit"]
     assert [(e.kind, e.message) for e in torchloom.report().entries("hooks")] == cold_hooks

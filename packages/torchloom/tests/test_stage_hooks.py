@@ -370,6 +370,88 @@ def test_a_symbolic_size_in_a_side_effect_stays_eager_with_the_reason() -> None:
     assert (5, 16) in rec.shapes  # the hook ran eagerly, with real sizes
 
 
+# -- hook pairs guarded by content ----------------------------------------------------
+
+
+def _frames_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
+def _variant_messages() -> list[str]:
+    return [
+        e.message for e in torchloom.report().entries("hooks") if e.kind in ("variant", "eager")
+    ]
+
+
+def test_save_on_cpu_entered_for_every_step_compiles_once_and_matches_eager() -> None:
+    model, x = _mlp(), torch.randn(8, 16)
+    compiled = torch.compile(model, backend="loom", options=OPTS)
+    before = _frames_compiled()
+    for _ in range(10):
+        hooks = torch.autograd.graph.save_on_cpu(device_type="cpu")
+        got = _train_step(compiled, model, x, (hooks.pack_hook, hooks.unpack_hook))
+    assert _frames_compiled() - before == 1 and len(torchloom.report()) == 1
+    hooks = torch.autograd.graph.save_on_cpu(device_type="cpu")
+    _assert_same(got, _train_step(model, model, x, (hooks.pack_hook, hooks.unpack_hook)))
+    assert _entries("placed")
+
+
+def test_alternating_pairs_keep_one_graph_each_and_the_report_says_why() -> None:
+    model, x = _mlp(), torch.randn(8, 16)
+    compiled = torch.compile(model, backend="loom", options=OPTS)
+    pairs = [(bf16_pack, cast_unpack), (fp8_pack, fp8_unpack)]
+    for step in range(6):
+        hooks = pairs[step % 2]
+        _assert_same(_train_step(compiled, model, x, hooks), _train_step(model, model, x, hooks))
+    assert len(torchloom.report()) == 2
+    first, second = _variant_messages()
+    assert "pair #1 of this frame (the first)" in first
+    assert "new saved-tensor hook pair #2" in second and "code differs" in second
+    assert "bf16_pack at" in second and "fp8_pack at" in second
+
+
+def test_a_closure_value_the_trace_read_recompiles_once_and_its_return_reuses() -> None:
+    limit = {"numel": 10_000}
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.numel() > limit["numel"]:
+            return (t.dtype, t.to(torch.bfloat16))
+        return (t.dtype, t)
+
+    model, x = _mlp(), torch.randn(8, 16)
+    compiled = torch.compile(model, backend="loom", options=OPTS)
+    for numel in (10_000, 10_000, 100, 100, 10_000):
+        limit["numel"] = numel
+        got = _train_step(compiled, model, x, (pack, cast_unpack))
+        _assert_same(got, _train_step(model, model, x, (pack, cast_unpack)))
+    assert len(torchloom.report()) == 2
+    second = _variant_messages()[1]
+    assert "traced_value differs" in second and "numel" in second
+
+
+def test_pairs_past_the_variant_limit_share_one_eager_compilation() -> None:
+    def make(k: int) -> tuple[Any, Any]:
+        def pack(t: torch.Tensor) -> Any:
+            if k > 1:  # read by the trace: each k is another pair
+                return (t.dtype, t.to(torch.bfloat16))
+            return (t.dtype, t * 1)
+
+        return pack, cast_unpack
+
+    model, x = _mlp(), torch.randn(8, 16)
+    options = {**OPTS, "saved_tensor_hooks_variants": 2}
+    compiled = torch.compile(model, backend="loom", options=options)
+    for k in (1, 2, 3, 4, 1, 3):
+        got = _train_step(compiled, model, x, make(k))
+        _assert_same(got, _train_step(model, model, x, make(k)))
+    assert len(torchloom.report()) == 3  # two pairs in the graph, one eager for the rest
+    eager = [e for e in torchloom.report().entries("hooks") if e.kind == "eager"]
+    assert len(eager) == 1 and "past the limit of 2" in eager[0].message
+    assert len(_entries("placed")) == 2
+
+
 # -- register_hook on intermediates ---------------------------------------------------
 
 

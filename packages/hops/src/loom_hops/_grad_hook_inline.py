@@ -15,10 +15,10 @@ traced graph or the Python hooks produce the result.
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import hashlib
 import logging
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from loom_hops._grad_hooks import (
     run_hooks,
 )
 from loom_hops._pass_result import PassResult
-from loom_hops._torch_compat import fake_mode_of, make_fx
+from loom_hops._torch_compat import FakeTensorMode, fake_mode_of, make_fx
 from loom_hops.tracer import HookUnsupported, TracedHook, trace_hook
 from loom_sidefx import Roots, TensorSlot
 
@@ -71,7 +71,8 @@ class GradHookInlining:
 
 #: key -> traced hooks; the key is baked into the backward graph that inlined them.
 _traced: dict[str, _TracedSite] = {}
-_keys = itertools.count()
+#: keys whose traces this process could not remake from a call's hooks.
+_retrace_failed: set[str] = set()
 
 
 def _plain(fn: GradHook) -> types.FunctionType | None:
@@ -90,18 +91,12 @@ def _decompose(
         return make_fx(graph, decomposition_table=dict(table))(grad)
 
 
-def _trace_site(
-    site: int, grad: torch.Tensor, mode: Any, table: Decompositions | None
-) -> _TracedSite | str:
-    fns = last_hooks(site)
-    if fns is None:
-        return (
-            "the hooks are not known when the backward is compiled (no forward of this "
-            "call site has stored them yet, e.g. a backward compiled ahead of time)"
-        )
+def _trace_hooks(
+    fns: tuple[GradHook, ...], grad: torch.Tensor
+) -> tuple[tuple[TracedHook, ...], tuple[int | None, ...]] | str:
+    """Trace ``fns`` in order at ``grad`` (fake); each traced hook and its result slot."""
     hooks: list[TracedHook] = []
     returns: list[int | None] = []
-    graphs: list[torch.fx.GraphModule] = []
     for fn in fns:
         name = getattr(fn, "__qualname__", type(fn).__name__)
         if _plain(fn) is None:
@@ -125,10 +120,54 @@ def _trace_site(
         else:
             return f"hook {name} returns something other than a gradient or None"
         hooks.append(traced)
-        graphs.append(_decompose(traced.graph, grad, mode, table))
         grad = grad if returns[-1] is None else grad.new_empty(grad.shape)
-    key = f"{next(_keys)}:" + ",".join(h.fingerprint[:16] for h in hooks)
-    return _TracedSite(key, tuple(hooks), tuple(returns), tuple(graphs))
+    return tuple(hooks), tuple(returns)
+
+
+def _site_key(site: int, hooks: Sequence[TracedHook], returns: Sequence[int | None]) -> str:
+    """Content-derived (process-stable): a backward loaded from a cache in another
+    process finds its traces again by tracing that call's hooks (:func:`_retrace`)."""
+    parts = [f"{h.fingerprint}>{r}" for h, r in zip(hooks, returns, strict=True)]
+    return f"site{site}:" + hashlib.sha256(";".join(parts).encode()).hexdigest()[:32]
+
+
+def _trace_site(
+    site: int, grad: torch.Tensor, mode: Any, table: Decompositions | None
+) -> _TracedSite | str:
+    fns = last_hooks(site)
+    if fns is None:
+        return (
+            "the hooks are not known when the backward is compiled (no forward of this "
+            "call site has stored them yet: a backward compiled ahead of time, e.g. one "
+            "that saves symbolic sizes)"
+        )
+    traced = _trace_hooks(fns, grad)
+    if isinstance(traced, str):
+        return traced
+    hooks, returns = traced
+    graphs, current = [], grad
+    for hook, ret in zip(hooks, returns, strict=True):
+        graphs.append(_decompose(hook.graph, current, mode, table))
+        current = current if ret is None else current.new_empty(current.shape)
+    return _TracedSite(_site_key(site, hooks, returns), hooks, returns, tuple(graphs))
+
+
+def _retrace(
+    key: str, site: int, fns: tuple[GradHook, ...], grad: torch.Tensor
+) -> _TracedSite | None:
+    """The traces behind ``key``, remade from this call's hooks at ``grad``'s metadata
+    (a backward served from the cache in a fresh process); ``None`` if they differ."""
+    if key in _retrace_failed:
+        return None
+    mode = FakeTensorMode()
+    traced = _trace_hooks(fns, mode.from_tensor(grad))
+    if isinstance(traced, str) or _site_key(site, *traced) != key:
+        _retrace_failed.add(key)
+        log.debug("grad_hook site %d: this call's hooks do not trace to %s", site, key)
+        return None
+    entry = _TracedSite(key, traced[0], traced[1], ())
+    _traced[key] = entry
+    return entry
 
 
 def _fake_run(node: torch.fx.Node, mode: Any) -> None:
@@ -198,7 +237,7 @@ def inline_grad_hooks(
         if isinstance(entry, str):
             kept.append((site, entry))
             continue
-        _traced[entry.key] = entry
+        _traced.setdefault(entry.key, entry)
         _inline_site(gm, node, site, entry, mode)
         inlined.append(site)
     if inlined:
@@ -228,7 +267,7 @@ def _replay(
     values: list[torch.Tensor],
 ) -> torch.Tensor:
     fns = hooks_of(token)
-    entry = _traced.get(key)
+    entry = _traced.get(key) or _retrace(key, site, fns, grad)
     if entry is None or len(fns) != len(entry.hooks):
         return run_hooks(grad, fns)
     current, offset = grad, 0

@@ -14,13 +14,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.fx
 
 from loom_hops._torch_compat import fake_mode_of, make_fx, python_dispatcher, pytree
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
+
+if TYPE_CHECKING:
+    from loom_hops._hook_match import HookMismatch
+    from loom_hops._saved_hooks import HookPair
 
 __all__ = [
     "GraphModuleHooks",
@@ -32,6 +36,8 @@ __all__ = [
 ]
 
 Decompositions = Mapping[Any, Callable[..., Any]]
+#: Replays a traced hook's side effects on the closure and globals of a pair's hooks.
+HookEffects = Callable[["HookPair"], None]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,8 +69,9 @@ class TracedPack:
     graph: torch.fx.GraphModule
     layout: PackedLayout
     example_outputs: tuple[Any, ...]
-    #: The hook's side effects for this tensor, replayed after the compiled forward.
-    effects: Callable[[], None] | None = None
+    #: The hook's side effects for this tensor, replayed after the compiled forward
+    #: on the state of the pair given (the pair active at that call).
+    effects: HookEffects | None = None
     fingerprint: str | None = None
 
 
@@ -73,8 +80,10 @@ class TracedUnpack:
     """The unpack graph for one saved tensor: ``graph(*crossing) -> (tensor,)``."""
 
     graph: torch.fx.GraphModule
-    #: The hook's side effects for this tensor, replayed after the compiled backward.
-    effects: Callable[[], None] | None = None
+    #: The hook's side effects for this tensor, replayed after the compiled backward
+    #: on the state of the pair given (the compiled pair: a matching pair's unpack
+    #: effects mutate the same objects).
+    effects: HookEffects | None = None
 
 
 class HookGraphs(Protocol):
@@ -89,8 +98,9 @@ class HookGraphs(Protocol):
 
     def trace_unpack(self, pack: TracedPack, saved: torch.Tensor) -> TracedUnpack | Unsupported: ...
 
-    def guards_hold(self) -> bool:
-        """Whether the traces made so far are still valid (closure and global values)."""
+    def mismatch(self, active: HookPair | None) -> HookMismatch | None:
+        """Why the traces made so far do not serve ``active`` (the pair active at a
+        call), or ``None``: see :func:`loom_hops.pair_mismatch`."""
         ...
 
 
@@ -170,8 +180,11 @@ class GraphModuleHooks:
     def trace_unpack(self, pack: TracedPack, saved: torch.Tensor) -> TracedUnpack | Unsupported:
         return trace_unpack_graph(self.unpack, pack, saved, self.decompositions)
 
-    def guards_hold(self) -> bool:
-        return True  # a GraphModule's graph is fixed; identity is guarded separately
+    def mismatch(self, active: HookPair | None) -> HookMismatch | None:
+        from loom_hops._hook_match import static_mismatch
+        from loom_hops._saved_hooks import HookPair
+
+        return static_mismatch(HookPair(self.pack, self.unpack), active)
 
 
 def trace_pack_graph(

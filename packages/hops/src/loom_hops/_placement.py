@@ -16,13 +16,12 @@ import dataclasses
 import enum
 import logging
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 
-from loom_hops._hook_graphs import HookGraphs, TracedPack, TracedUnpack
+from loom_hops._hook_graphs import HookEffects, HookGraphs, TracedPack, TracedUnpack
 from loom_hops._hook_hops import pack_hook_op, unpack_hook_op
 from loom_hops._torch_compat import is_sym_node, is_view_op
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
@@ -80,9 +79,11 @@ class Placement:
     kept: tuple[tuple[str, str], ...]  # (saved tensor, reason)
     #: Side effects of traced Python pack hooks, one per packed tensor that has any,
     #: in eager's order: the op that first consumes each tensor, then argument order.
-    pack_effects: tuple[Callable[[], None], ...] = ()
-    #: Side effects of traced unpack hooks, in the backward order of the unpacks.
-    unpack_effects: tuple[Callable[[], None], ...] = ()
+    #: Each is called with the pair active at the call (whose state it mutates).
+    pack_effects: tuple[HookEffects, ...] = ()
+    #: Side effects of traced unpack hooks, in the backward order of the unpacks;
+    #: each is called with the compiled pair.
+    unpack_effects: tuple[HookEffects, ...] = ()
 
     @property
     def moved(self) -> tuple[str, ...]:

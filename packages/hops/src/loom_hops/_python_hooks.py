@@ -21,11 +21,19 @@ from typing import Any
 import torch
 
 from loom_hops._hook_graphs import (
+    HookEffects,
     TracedPack,
     TracedUnpack,
     rebuild_packed,
     trace_pack_graph,
     trace_unpack_graph,
+)
+from loom_hops._hook_match import (
+    HookDifference,
+    HookMismatch,
+    function_mismatch,
+    roots_of,
+    static_mismatch,
 )
 from loom_hops._saved_hooks import HookPair
 from loom_hops._torch_compat import fake_mode_of, pytree
@@ -85,7 +93,7 @@ class _Traced:
         outs = self.hook.graph(*self.hook.graph_inputs(*args))
         return self.pure.apply(self.hook.roots(*args), tuple(outs))[0]
 
-    def effects(self, example_args: tuple[Any, ...]) -> Callable[[], None] | None:
+    def effects(self, example_args: tuple[Any, ...], role: str) -> HookEffects | None:
         plan = self.hook.replay
         if not plan.ops:
             return None
@@ -95,10 +103,11 @@ class _Traced:
         with mode if mode is not None else contextlib.nullcontext():
             fake_outs = tuple(self.hook.graph(*self.hook.graph_inputs(*example_args)))
         replay = dataclasses.replace(plan, results=())
-        roots = self.hook.roots(*example_args)
 
-        def run_effects() -> None:
-            replay.apply(roots, fake_outs)
+        def run_effects(pair: HookPair) -> None:
+            # NOTE: on the given pair's closure and globals: a content-equal pair made
+            # for this call (save_on_cpu() makes new closures each time) gets its effects.
+            replay.apply(roots_of(_hook(pair, role), example_args), fake_outs)
 
         return run_effects
 
@@ -142,8 +151,16 @@ def _meta_key(t: torch.Tensor) -> tuple[str, ...]:
     )
 
 
+def _hook(pair: HookPair, role: str) -> Callable[..., Any]:
+    return pair.pack if role == "pack" else pair.unpack
+
+
 class TracedPythonHooks:
-    """``(pack, unpack)`` plain functions, traced per saved tensor with the hook tracer."""
+    """``(pack, unpack)`` plain functions, traced per saved tensor with the hook tracer.
+
+    The traces serve any pair that runs the same code with the same defaults and
+    on which every trace's guards hold (:meth:`mismatch`).
+    """
 
     description = "traced Python hooks"
 
@@ -151,7 +168,8 @@ class TracedPythonHooks:
         self.pair = pair
         self.decompositions = decompositions
         self._packs: dict[tuple[str, ...], _Traced | Unsupported] = {}
-        self._guards: dict[str, tuple[TracedHook, tuple[Any, ...]]] = {}
+        #: (role, guard source) -> one trace with those guards, and its example arguments.
+        self._guards: dict[tuple[str, str], tuple[TracedHook, tuple[Any, ...]]] = {}
 
     def _where(self, fn: Any) -> str:
         code = getattr(fn, "__code__", None)
@@ -159,17 +177,17 @@ class TracedPythonHooks:
             return str(getattr(fn, "__qualname__", type(fn).__name__))
         return f"{code.co_filename}:{code.co_firstlineno}"
 
-    def _trace(self, fn: Any, args: tuple[Any, ...]) -> _Traced | Unsupported:
-        where = self._where(fn)
-        checked = _check(trace_hook(fn, args), where)
+    def _trace(self, role: str, args: tuple[Any, ...]) -> _Traced | Unsupported:
+        fn = _hook(self.pair, role)
+        checked = _check(trace_hook(fn, args), self._where(fn))
         if isinstance(checked, _Traced):
-            self._guards.setdefault(checked.hook.guard_source, (checked.hook, args))
+            self._guards.setdefault((role, checked.hook.guard_source), (checked.hook, args))
         return checked
 
     def trace_pack(self, saved: torch.Tensor) -> TracedPack | Unsupported:
         key = _meta_key(saved)
         if key not in self._packs:
-            self._packs[key] = self._trace(self.pair.pack, (saved,))
+            self._packs[key] = self._trace("pack", (saved,))
         traced = self._packs[key]
         if isinstance(traced, Unsupported):
             return traced
@@ -177,22 +195,49 @@ class TracedPythonHooks:
         if isinstance(result, Unsupported):
             return result
         return dataclasses.replace(
-            result, effects=traced.effects((saved,)), fingerprint=traced.hook.fingerprint
+            result, effects=traced.effects((saved,), "pack"), fingerprint=traced.hook.fingerprint
         )
 
     def trace_unpack(self, pack: TracedPack, saved: torch.Tensor) -> TracedUnpack | Unsupported:
         packed = rebuild_packed(pack.layout, pack.example_outputs)
-        traced = self._trace(self.pair.unpack, (packed,))
+        traced = self._trace("unpack", (packed,))
         if isinstance(traced, Unsupported):
             return traced
         result = trace_unpack_graph(traced.call_pure, pack, saved, self.decompositions)
         if isinstance(result, Unsupported):
             return result
-        return dataclasses.replace(result, effects=traced.effects((packed,)))
+        return dataclasses.replace(result, effects=traced.effects((packed,), "unpack"))
 
-    def guards_hold(self) -> bool:
-        """Whether every guard of every trace still holds (closure and global values)."""
-        return all(hook.check_guards(*args) for hook, args in self._guards.values())
+    def mismatch(self, active: HookPair | None) -> HookMismatch | None:
+        """Why the traces do not serve ``active``: other code or defaults, a guard of a
+        trace failing on ``active``'s closure and globals, or an unpack with side effects
+        whose closure differs. ``None``: the compiled graphs serve it."""
+        if active is None or active.kind != "python":
+            return static_mismatch(self.pair, active)
+        for role in ("pack", "unpack"):
+            found = function_mismatch(
+                role, _hook(self.pair, role), _hook(active, role), closure_values=False
+            )
+            if found is not None:
+                return found
+        for (role, _), (hook, args) in self._guards.items():
+            roots = roots_of(_hook(active, role), args)
+            if not hook.guard_fn(roots):
+                failed = next((g.describe() for g in hook.guards if not g.check(roots)), "")
+                return HookMismatch(role, HookDifference.TRACED_VALUE, failed or "guards fail")
+            if role == "unpack" and hook.replay.ops:
+                # NOTE: unpack effects replay on the compiled pair's state (the backward
+                # cannot tell which forward's pair it serves): it must hold what `active` does.
+                found = function_mismatch(
+                    role, self.pair.unpack, active.unpack, closure_values=True
+                )
+                if found is not None:
+                    return HookMismatch(
+                        role,
+                        HookDifference.EFFECT_TARGET,
+                        f"its side effects replay on the compiled hook's closure: {found.detail}",
+                    )
+        return None
 
     def fingerprint(self) -> str | None:
         """Fingerprints of the traces made so far, combined; ``None`` if any is opaque."""

@@ -1,11 +1,12 @@
 """The active ``saved_tensors_hooks`` pair: snapshot, identity, fingerprint, preparation.
 
 A :class:`HookPair` is what ``torch.autograd.graph.saved_tensors_hooks(pack,
-unpack)`` made active at compile time. Its *identity* (the two objects) decides
-at each call whether a compilation may be reused; its *fingerprint* (content,
-stable across processes) joins cache keys, and is ``None`` for hooks whose
-content cannot be hashed (opaque ``torch.fx.wrap`` calls without
-``user_cache_hash``), which then bypass the cache.
+unpack)`` made active at compile time. Its *content* (code, defaults, the
+closure values its traces read; ``loom_hops.pair_mismatch``) decides at each
+call whether a compilation may be reused, so a pair made anew with the same
+content reuses it; its *fingerprint* (content, stable across processes) joins
+cache keys, and is ``None`` for hooks whose content cannot be hashed (opaque
+``torch.fx.wrap`` calls without ``user_cache_hash``), which then bypass the cache.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ __all__ = [
 class HookPair:
     """The ``(pack, unpack)`` pair active when a graph was compiled.
 
-    Two pairs are the same pair when they hold the same two objects (what
-    ``saved_tensors_hooks`` compares too); equal-looking lambdas are not.
+    ``same_pair`` compares the two objects; whether a compilation serves another
+    pair is a question of content (``loom_hops.pair_mismatch``).
     """
 
     pack: Callable[[torch.Tensor], Any]
@@ -80,7 +81,7 @@ def _where(fn: Any) -> str:
     return f"{name} at {code.co_filename}:{code.co_firstlineno}"
 
 
-def _graph_digest(gm: torch.fx.GraphModule, h: Any) -> bool:
+def feed_graph(gm: torch.fx.GraphModule, h: Any) -> bool:
     """Feed ``gm``'s structure to ``h``; ``False`` if an opaque call has no user_cache_hash."""
     names: dict[str, str] = {}
     for node in gm.graph.nodes:
@@ -129,7 +130,7 @@ def fingerprint_hooks(pair: HookPair | None, tracer_fingerprint: str | None = No
     h = hashlib.sha256(b"loom-saved-tensor-hooks-v1;")
     for gm in (pair.pack, pair.unpack):
         assert isinstance(gm, torch.fx.GraphModule)
-        if not _graph_digest(gm, h):
+        if not feed_graph(gm, h):
             return None
         h.update(b"|")
     return h.hexdigest()

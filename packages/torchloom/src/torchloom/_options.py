@@ -56,6 +56,9 @@ class LoomOptions:
     saved_tensor_hooks_in_graph: bool = True
     #: What in-graph hooks pack: "all" saved tensors as eager does, or "activations" only.
     saved_tensor_hooks_scope: Literal["all", "activations"] = "all"
+    #: Saved-tensor hook pairs, distinct by content, compiled into one frame's graphs;
+    #: one more compilation runs every further pair's hooks eagerly.
+    saved_tensor_hooks_variants: int = 4
     #: Remove ``resize_(full) -> copy_ -> resize_(0)`` chains on FSDP-style parameters.
     resize_remove_chains: bool = True
     #: Reuse compiled graphs across processes through loom's cache (local store,

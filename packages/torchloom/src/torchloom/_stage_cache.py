@@ -117,6 +117,25 @@ class Artifact:
     stages: tuple[tuple[str, Any], ...] = ()
 
 
+@dataclasses.dataclass
+class Compilation:
+    """One keyed compilation in progress (``ctx.state["cache"]``): where its result
+    goes, and which report entries and graphs it made (those after ``first_*``).
+
+    ``awaiting_backward``: the compilation returned before AOTAutograd saved its
+    entry, because the backward compiles at its first call (``grad_hook`` sites);
+    the entry is stored right after that compile.
+    """
+
+    key: loom_cache.CacheKey
+    store: loom_cache.TieredStore
+    slot: compat.AotCacheSlot
+    first_entry: int
+    first_graph: int
+    compiled: set[GraphKind] = dataclasses.field(default_factory=set)
+    awaiting_backward: bool = False
+
+
 def _versions() -> str:
     """Versions of loom's distributions and the identity of every pipeline stage:
     a pipeline with another set of stages never shares an entry."""
@@ -258,14 +277,14 @@ class CacheStage(PipelineStage):
         if isinstance(key, loom_cache.CacheBypass):
             self._bypass(ctx, key)
             return compile_cold()
-        ctx.state[self.name] = key
         store = cache_store()
         artifact, reason = self._load(store, key)
         slot = compat.AotCacheSlot(key=f"loom-{key.digest}")
         if artifact is not None:
             slot.load = artifact.aot_result
-        first_entry = len(ctx.record.build().entries)
-        first_graph = len(ctx.record.build().graphs)
+        record = ctx.record.build()
+        run = Compilation(key, store, slot, len(record.entries), len(record.graphs))
+        ctx.state[self.name] = run
         with compat.aot_cache_slot(slot):
             compiled = compile_cold()
         if slot.loaded and artifact is not None:
@@ -282,8 +301,44 @@ class CacheStage(PipelineStage):
             reason = f"stored artifact could not be served: {slot.load_error}"
             log.warning("graph %d: %s", ctx.graph_id, reason)
         self._miss(ctx, store, key, reason)
-        self._save(ctx, store, key, slot, first_entry, first_graph)
+        lazy = run.compiled == {GraphKind.FORWARD} and not slot.save_attempted
+        if not lazy:
+            self._save(ctx, run)
+        else:
+            run.awaiting_backward = True
+            ctx.record.add_entry(
+                "cache",
+                "pending",
+                "the backward compiles at its first call: the entry is stored after it",
+                digest=key.digest,
+            )
         return compiled
+
+    def wrap_compiled(
+        self,
+        ctx: GraphContext,
+        fn: Callable[..., Any],
+        gm: GraphModule,
+        kind: GraphKind,
+        example_inputs: Sequence[Any],
+    ) -> Callable[..., Any]:
+        run = ctx.state.get(self.name)
+        if not isinstance(run, Compilation):
+            return fn
+        run.compiled.add(kind)
+        if kind is not GraphKind.BACKWARD or not run.awaiting_backward:
+            return fn
+        # NOTE: a lazily compiled backward: AOTAutograd makes and saves the complete entry
+        # right after this compiler returns, outside our compilation's slot routing.
+        run.awaiting_backward = False
+        compat.route_lazy_backward_save(run.slot, lambda: self._save_late(ctx, run))
+        return fn
+
+    def _save_late(self, ctx: GraphContext, run: Compilation) -> None:
+        try:
+            self._save(ctx, run)
+        except Exception as err:  # inside the user's backward: the cache never fails it
+            log.warning("graph %d: could not store the compiled artifact: %r", ctx.graph_id, err)
 
     def compile(
         self,
@@ -298,7 +353,7 @@ class CacheStage(PipelineStage):
         # unless a later stage takes over compilation itself.
         if (
             ctx.options.codegen == "eager"
-            and isinstance(ctx.state.get(self.name), loom_cache.CacheKey)
+            and isinstance(ctx.state.get(self.name), Compilation)
             and not _later_stage_compiles(self)
         ):
             return compat.EagerOutputCode(gm)
@@ -347,20 +402,17 @@ class CacheStage(PipelineStage):
         ctx.record.add_entry("cache", "miss", message, digest=key.digest)
         log.info("graph %d: %s", ctx.graph_id, message)
 
-    def _save(
-        self,
-        ctx: GraphContext,
-        store: loom_cache.TieredStore,
-        key: loom_cache.CacheKey,
-        slot: compat.AotCacheSlot,
-        first_entry: int,
-        first_graph: int,
-    ) -> None:
+    def _save(self, ctx: GraphContext, run: Compilation) -> None:
+        store, key, slot = run.store, run.key, run.slot
+        first_entry, first_graph = run.first_entry, run.first_graph
         record = ctx.record.build()
         hooks = ctx.state.get("hooks")
-        refused = getattr(hooks, "refused", None)
-        if record.fallback is not None or refused is not None:
-            ctx.record.add_entry("cache", "not-stored", "the compilation fell back; nothing stored")
+        if record.fallback is not None or not getattr(hooks, "cacheable", True):
+            ctx.record.add_entry(
+                "cache",
+                "not-stored",
+                "the compilation fell back or left the hooks eager; nothing stored",
+            )
             return
         if slot.saved is None:
             self._bypass(

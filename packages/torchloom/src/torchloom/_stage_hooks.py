@@ -1,9 +1,13 @@
 """The hooks stage: saved-tensor hooks placed inside compiled graphs (``loom_hops``).
 
 At compile time the stage snapshots the innermost active
-``saved_tensors_hooks`` pair and guards the Dynamo frame on it (a call under
-other hooks recompiles: Dynamo's cache holds the variants, bounded by its
-recompile limit). After the partitioner it packs every saved tensor right after
+``saved_tensors_hooks`` pair and guards the Dynamo frame on its *content* (a
+pair made anew with the same code and the same values its traces read, such as
+each ``save_on_cpu()``, reuses the compilation; a call under other hooks
+recompiles). Each frame compiles at most ``saved_tensor_hooks_variants`` pairs
+distinct by content, each recorded in the report with how it differs from the
+pairs seen; one more compilation runs every further pair's hooks eagerly.
+After the partitioner it packs every saved tensor right after
 its last forward use and unpacks it right before its first backward use, as
 ``loom_saved_tensor_pack``/``unpack`` nodes that stay visible in the report and
 are inlined just before codegen. At run time the compiled callable runs with
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +36,7 @@ from torchloom import _torch_compat as compat
 from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
 from torchloom._stages import Codegen, GraphContext, GraphKind, PipelineStage
 
-__all__ = ["HooksState", "SavedTensorHooksStage"]
+__all__ = ["FrameVariants", "HookVariantDecision", "HooksState", "SavedTensorHooksStage"]
 
 log = logging.getLogger("torchloom.hooks")
 
@@ -40,8 +46,9 @@ class HooksState:
     """What the stage knows about one Dynamo graph (``ctx.state["hooks"]``).
 
     ``fingerprint`` is the hooks' content hash for cache keys (``None``:
-    bypass the cache). A cache stage must not store an artifact when
-    ``refused`` is set: that compilation left the hooks eager.
+    bypass the cache). A cache stage must not store an artifact unless
+    ``cacheable``: a compilation that left the hooks eager (``refused``, or a
+    pair past the frame's variant limit) is not what the key promises.
     """
 
     pair: loom_hops.HookPair | None
@@ -49,10 +56,106 @@ class HooksState:
     graphs: loom_hops.HookGraphs | None = None
     placement: loom_hops.Placement | None = None
     refused: loom_hops.Unsupported | None = None
+    past_variant_limit: bool = False
 
     @property
     def cacheable(self) -> bool:
-        return self.fingerprint is not None and self.refused is None
+        return self.fingerprint is not None and self.refused is None and not self.past_variant_limit
+
+
+#: A compiled pair and the hook graphs its guard matches others with (None: by content alone).
+Variant = tuple[loom_hops.HookPair | None, loom_hops.HookGraphs | None]
+
+
+@dataclasses.dataclass
+class FrameVariants:
+    """The saved-tensor hook pairs compiled for one Dynamo frame (code object), in order,
+    each with the number of its content class (1, 2, ...): a pair compiled again for
+    another reason (shapes, grad mode) joins the class of the pair it equals."""
+
+    entries: list[tuple[Variant, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def compiled(self) -> list[Variant]:
+        return [variant for variant, _ in self.entries]
+
+    @property
+    def distinct(self) -> int:
+        return max((c for (pair, _), c in self.entries if pair is not None), default=0)
+
+    def add(self, variant: Variant, content_class: int) -> None:
+        self.entries.append((variant, content_class))
+
+
+_frames: weakref.WeakKeyDictionary[types.CodeType, FrameVariants] = weakref.WeakKeyDictionary()
+
+
+def frame_variants() -> FrameVariants:
+    """The variants of the frame Dynamo is compiling (fresh outside Dynamo, and for a
+    frame Dynamo holds no compiled entry of, e.g. after ``torch._dynamo.reset()``)."""
+    frame = compat.dynamo_frame_code()
+    if frame is None:
+        return FrameVariants()
+    code, entries = frame
+    if entries == 0 or code not in _frames:
+        _frames[code] = FrameVariants()
+    return _frames[code]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HookVariantDecision:
+    """How this compilation relates to the pairs its frame compiled before."""
+
+    #: The content class the active pair joins (1, 2, ...); 0 for no hooks.
+    content_class: int
+    #: True: a new distinct pair past the bound, whose hooks stay eager.
+    past_limit: bool
+    #: Why each earlier pair (by content class) does not serve the active one.
+    differences: tuple[tuple[int, loom_hops.HookMismatch], ...]
+    #: The earlier content class the active pair matches, if any.
+    same_as: int | None
+
+
+def decide_variant(
+    frame: FrameVariants, pair: loom_hops.HookPair | None, limit: int
+) -> HookVariantDecision:
+    """Match ``pair`` against the frame's compiled pairs (by content, not identity)."""
+    differences: dict[int, loom_hops.HookMismatch] = {}
+    for (compiled, graphs), content_class in frame.entries:
+        if compiled is None:
+            continue
+        found = loom_hops.pair_mismatch(compiled, pair, graphs)
+        if found is None:
+            return HookVariantDecision(content_class, False, (), content_class)
+        differences.setdefault(content_class, found)
+    if pair is None:
+        return HookVariantDecision(0, False, tuple(differences.items()), None)
+    past = frame.distinct >= max(limit, 1)
+    return HookVariantDecision(frame.distinct + 1, past, tuple(differences.items()), None)
+
+
+def _describe(decision: HookVariantDecision, limit: int) -> str:
+    if decision.same_as is not None:
+        return (
+            f"saved-tensor hooks equal by content to pair #{decision.same_as} of this frame: "
+            "compiled again for another reason (shapes, grad mode or other guards)"
+        )
+    seen = "; ".join(f"#{c} {m}" for c, m in decision.differences)
+    if decision.content_class == 0:
+        return f"no saved-tensor hooks active, unlike the pairs seen: {seen}"
+    if decision.past_limit:
+        return (
+            f"new saved-tensor hook pair past the limit of {limit} per frame "
+            f"(saved_tensor_hooks_variants): this compilation runs its hooks eagerly and "
+            f"serves every further pair; differs from the pairs seen: {seen}"
+        )
+    if not seen:
+        return f"saved-tensor hook pair #{decision.content_class} of this frame (the first)"
+    first = decision.differences[0][1].difference.value
+    return (
+        f"new saved-tensor hook pair #{decision.content_class} of at most {limit} for this "
+        f"frame: {first} differs from the pairs seen: {seen}"
+    )
 
 
 class SavedTensorHooksStage(PipelineStage):
@@ -82,11 +185,30 @@ class SavedTensorHooksStage(PipelineStage):
         pair = loom_hops.active_saved_tensors_hooks()
         state = HooksState(pair, loom_hops.fingerprint_hooks(pair))
         ctx.state[self.name] = state
+        frame = frame_variants()
+        limit = ctx.options.saved_tensor_hooks_variants
+        decision = decide_variant(frame, pair, limit)
+        if pair is not None or decision.differences:
+            ctx.record.add_entry(
+                "hooks",
+                "eager" if decision.past_limit else "variant",
+                _describe(decision, limit),
+                variant=decision.content_class,
+                differences=tuple(f"#{c} {m}" for c, m in decision.differences),
+            )
+        if decision.past_limit:
+            state.past_variant_limit = True
+            others = list(frame.compiled)
+            with loom_hops.native_hook_inlining_disabled(pair):
+                compiled = compile_cold()
+            loom_hops.install_other_hooks_guard(others)
+            return compiled
         if pair is None or not ctx.options.saved_tensor_hooks_in_graph:
             if pair is not None:
                 ctx.record.add_entry("hooks", "eager", "saved_tensor_hooks_in_graph is off")
             compiled = compile_cold()
             loom_hops.install_hooks_guard(pair)
+            frame.add((pair, None), decision.content_class)
             return compiled
         # NOTE: hook graphs join graphs AOTAutograd traced with these decompositions.
         decompositions = (
@@ -97,22 +219,26 @@ class SavedTensorHooksStage(PipelineStage):
             self._refuse(ctx, state, graphs)
             compiled = compile_cold()
             loom_hops.install_hooks_guard(pair)
+            frame.add((pair, None), decision.content_class)
             return compiled
         state.graphs = graphs
         with loom_hops.native_hook_inlining_disabled(pair):
             compiled = compile_cold()
         # NOTE: after compiling, so that the tracer's guards (made while placing) are included.
         loom_hops.install_hooks_guard(pair, graphs)
+        frame.add((pair, graphs), decision.content_class)
         if state.refused is not None:
             return compiled
 
         def run_with_hooks_in_graph(*args: Any) -> Any:
+            # NOTE: the guard let in a pair equal by content: its state gets the effects.
+            active = loom_hops.active_saved_tensors_hooks() or pair
             with loom_hops.eager_saved_tensors_hooks_disabled():
                 out = compiled(*args)
             placement = state.placement
             if placement is not None and placement.pack_effects and torch.is_grad_enabled():
                 for replay in placement.pack_effects:
-                    replay()
+                    replay(active)
             return out
 
         return run_with_hooks_in_graph
@@ -207,11 +333,13 @@ class SavedTensorHooksStage(PipelineStage):
         if kind is not GraphKind.BACKWARD or placement is None or not placement.unpack_effects:
             return fn
         effects = placement.unpack_effects
+        compiled_pair = state.pair if state is not None else None
+        assert compiled_pair is not None
 
         def backward_then_unpack_effects(*args: Any) -> Any:
             out = fn(*args)
             for replay in effects:
-                replay()
+                replay(compiled_pair)
             return out
 
         return compat.mark_boxed(backward_then_unpack_effects)

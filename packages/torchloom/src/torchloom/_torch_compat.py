@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ __all__ = [
     "boxed_graph_callable",
     "caches_force_disabled",
     "codegen_context",
+    "dynamo_frame_code",
     "dynamo_reset",
     "eager_partition",
     "inductor_compile_backward",
@@ -46,9 +48,11 @@ __all__ = [
     "inductor_decompositions",
     "inductor_partition",
     "inductor_pre_grad_passes",
+    "lazy_backward_lowering",
     "mark_boxed",
     "num_model_outputs",
     "register_backend",
+    "route_lazy_backward_save",
     "static_input_indices",
 ]
 
@@ -192,6 +196,20 @@ def register_backend(name: str, fn: Callable[..., Any]) -> None:
     _register_backend(compiler_fn=fn, name=name)
 
 
+def dynamo_frame_code() -> tuple[types.CodeType, int] | None:
+    """The code object of the frame Dynamo is compiling now, and how many compiled
+    entries Dynamo holds for it (none after ``torch._dynamo.reset()``); ``None``
+    outside a Dynamo compile."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.symbolic_convert import tls
+
+    tx = getattr(tls, "current_tx", None)
+    code = getattr(tx, "f_code", None)
+    if not isinstance(code, types.CodeType):
+        return None
+    return code, len(_debug_get_cache_entry_list(code))
+
+
 def backend_registered(name: str) -> bool:
     from torch._dynamo.backends.registry import list_backends
 
@@ -254,7 +272,8 @@ class AotCacheSlot:
     ``load``: a pickled result to serve (a hit), or ``None``. After the
     compilation: ``loaded`` says whether it was served; ``load_error`` why not;
     ``saved`` holds the pickled result of a cold compilation, ``save_error`` why
-    there is none.
+    there is none; ``save_attempted`` is false while AOTAutograd has not tried to
+    save yet (its backward is compiled lazily, at the first backward).
     """
 
     key: str
@@ -263,6 +282,7 @@ class AotCacheSlot:
     load_error: str | None = None
     saved: bytes | None = None
     save_error: str | None = None
+    save_attempted: bool = False
 
 
 class EagerOutputCode(_OutputCode):
@@ -302,7 +322,58 @@ class EagerOutputCode(_OutputCode):
 
 @contextlib.contextmanager
 def aot_cache_slot(slot: AotCacheSlot) -> Iterator[None]:
-    """Route AOTAutograd's cache slots to ``slot`` for the compilation inside."""
+    """Route AOTAutograd's cache slots to ``slot`` for the compilation inside.
+
+    The backward is compiled now, so that the entry is complete when the
+    compilation returns, unless :func:`lazy_backward_lowering` says otherwise
+    inside; then see :func:`route_lazy_backward_save`.
+    """
+    with (
+        _routed_to(slot, serve=True),
+        functorch_config.patch(force_non_lazy_backward_lowering=True),
+    ):
+        yield
+
+
+def lazy_backward_lowering() -> contextlib.AbstractContextManager[None]:
+    """Inside :func:`aot_cache_slot`: compile the backward at its first call after all
+    (AOTAutograd then makes and saves the entry right after that compile)."""
+    return functorch_config.patch(force_non_lazy_backward_lowering=False)  # type: ignore[no-any-return]
+
+
+def route_lazy_backward_save(slot: AotCacheSlot, saved: Callable[[], None]) -> Callable[[], None]:
+    """Route the entry AOTAutograd saves after a lazily compiled backward to ``slot``.
+
+    Call it from the backward compiler (AOTAutograd makes and saves the entry
+    right after it returns); ``saved()`` runs once the slot holds the result (or
+    ``save_error``). Returns a function that undoes the routing if no save came.
+    """
+    while _armed:  # a backward compile that raised after arming never saved
+        _armed[-1]()
+    stack = contextlib.ExitStack()
+
+    def finish() -> None:
+        if finish in _armed:
+            _armed.remove(finish)
+            stack.close()
+
+    def on_save() -> None:
+        finish()
+        saved()
+
+    stack.enter_context(_routed_to(slot, serve=False, on_save=on_save))
+    _armed.append(finish)
+    return finish
+
+
+_armed: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def _routed_to(
+    slot: AotCacheSlot, *, serve: bool, on_save: Callable[[], None] | None = None
+) -> Iterator[None]:
+    """AOTAutograd's try_load (with ``serve``), make_entry and save slots, routed to ``slot``."""
     import pickle
     import time
 
@@ -351,25 +422,26 @@ def aot_cache_slot(slot: AotCacheSlot) -> Iterator[None]:
             return None
 
     def save(key: str, entry: Any, remote: bool) -> None:
-        if entry is None or key != slot.key:
+        if key != slot.key:
             return
+        slot.save_attempted = True
         try:
-            entry.pre_save()
-            slot.saved = pickle.dumps(entry)
+            if entry is not None:
+                entry.pre_save()
+                slot.saved = pickle.dumps(entry)
         except Exception as err:
             slot.save_error = f"{type(err).__name__}: {err}"
+        if on_save is not None:
+            on_save()
 
     saved_attrs = {name: cache.__dict__[name] for name in ("try_load", "make_entry", "save")}
     try:
-        cache.try_load = staticmethod(try_load)  # type: ignore[method-assign,assignment]
+        if serve:
+            cache.try_load = staticmethod(try_load)  # type: ignore[method-assign,assignment]
         cache.make_entry = staticmethod(make_entry)  # type: ignore[method-assign,assignment]
         cache.save = staticmethod(save)  # type: ignore[method-assign,assignment]
         with functorch_config.patch(
-            force_autograd_cache=True,
-            bundled_autograd_cache=True,
-            enable_autograd_cache=True,
-            # Compile the backward now, so that the entry is complete when we store it.
-            force_non_lazy_backward_lowering=True,
+            force_autograd_cache=True, bundled_autograd_cache=True, enable_autograd_cache=True
         ):
             yield
     finally:
