@@ -286,8 +286,10 @@ GPU_SIDES = {
         Backend("inductor-reduce-overhead", {"backend": "inductor", "mode": "reduce-overhead"}),
     ),
 }
-#: Inductor fuses and reorders reductions; AdamW's first steps magnify tiny gradients.
-GPU_TOLERANCE = Tolerance(atol=1e-3, rtol=1e-3)
+#: Relative L2 error per tensor: Inductor reorders reductions and cuDNN's convolution
+#: backward is not deterministic, which moves single elements (a max-pool window's
+#: winner, ResNet's conv1 gradient) past any elementwise bound.
+GPU_TOLERANCE = Tolerance(atol=1e-5, rel_l2=1e-3)
 
 
 def _no_steps(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
