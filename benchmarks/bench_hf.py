@@ -38,6 +38,7 @@ import dataclasses
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ from _harness import (
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 ROUNDS = 10
+START = time.perf_counter()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -221,7 +223,12 @@ def run_workload(
             except Exception as exc:  # a failing variant is a row, not a lost run
                 row["error"] = repr(exc)[:200]
         rows.append(row)
-        print(f"  {w.name:<11} {v.name:<16} compiled {row.get('compile_s')} s", flush=True)
+        compiled = f"{row['compile_s']:.1f} s" if row.get("compile_s") is not None else "-"
+        print(
+            f"  {w.name:<11} {v.name:<16} compile {compiled:>8}  "
+            f"(at {time.perf_counter() - START:.0f} s)",
+            flush=True,
+        )
     # NOTE: timed in interleaved rounds with a rotating order, so host noise and
     # the variant timed right after a CUDA-graph one hit every variant alike.
     samples: dict[str, list[float]] = {name: [] for name in runners}
@@ -232,6 +239,7 @@ def run_workload(
             times = time_fn(run, warmup=2, iters=max(1, iters // ROUNDS), device=device).times_s
             samples[name] += times
             medians[name].append(statistics.median(times))
+    print(f"  {w.name:<11} timed {len(order)} variants (at {time.perf_counter() - START:.0f} s)")
     out = []
     for row in rows:
         name = row["variant"]
