@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import os
 import statistics
 import sys
@@ -231,6 +232,10 @@ def run_workload(
         )
     # NOTE: timed in interleaved rounds with a rotating order, so host noise and
     # the variant timed right after a CUDA-graph one hit every variant alike.
+    # NOTE: the compiles leave a large heap; frozen, it is not walked again by the
+    # collection ``time_fn`` runs before each of its calls (a second each, else).
+    gc.collect()
+    gc.freeze()
     samples: dict[str, list[float]] = {name: [] for name in runners}
     medians: dict[str, list[float]] = {name: [] for name in runners}
     order = list(runners.items())
@@ -239,6 +244,7 @@ def run_workload(
             times = time_fn(run, warmup=2, iters=max(1, iters // ROUNDS), device=device).times_s
             samples[name] += times
             medians[name].append(statistics.median(times))
+    gc.unfreeze()
     print(f"  {w.name:<11} timed {len(order)} variants (at {time.perf_counter() - START:.0f} s)")
     out = []
     for row in rows:
