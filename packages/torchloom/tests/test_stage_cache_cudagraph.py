@@ -151,16 +151,17 @@ def test_cudagraph_settings_enter_the_key_and_a_miss_names_them(
 
 
 def test_or_error_from_the_environment_is_in_the_key() -> None:
+    # The environment reaches the stage through the resolved options (read once).
     stage = CudagraphStage()
-    ctx: Any = type("Ctx", (), {"options": torchloom.resolve_options(options=CG)})()
+    ctx: Any = type("Ctx", (), {"options": torchloom.resolve_options(options=CG, env={})})()
     plain = stage.cache_settings(ctx)
-    os.environ[loom_cudagraph.OR_ERROR_ENV] = "1"
-    try:
-        strict = stage.cache_settings(ctx)
-    finally:
-        del os.environ[loom_cudagraph.OR_ERROR_ENV]
+    env = {loom_cudagraph.OR_ERROR_ENV: "1"}
+    ctx.options = torchloom.resolve_options(options=CG, env=env)
+    strict = stage.cache_settings(ctx)
     assert plain is not None and strict is not None
     assert plain["or_error"] is False and strict["or_error"] is True
+    ctx.options = torchloom.resolve_options(options={**CG, "cudagraph_or_error": False}, env=env)
+    assert stage.cache_settings(ctx)["or_error"] is False  # options= beats the environment
     ctx.options = torchloom.resolve_options(options={"codegen": "eager"})
     assert stage.cache_settings(ctx) is None  # without CUDA graphs, no component
 
