@@ -139,7 +139,7 @@ def _raw_graph(
 
 
 def _loom_coverage(first: int) -> str:
-    from torchloom._stage_cudagraph import cudagraph_stats
+    from torchloom import cudagraph_stats
 
     segs = [s for r in cudagraph_stats()[first:] for s in r.segments]
     captured = sum(s.captured for s in segs)
@@ -160,7 +160,7 @@ def _runtime_step(run: Step) -> Step | None:
 
 
 def measure(case: Case, device: torch.device, quick: bool, iters: int) -> list[dict[str, Any]]:
-    from torchloom._stage_cudagraph import cudagraph_stats
+    from torchloom import cudagraph_stats
 
     make = case.build(device, quick)
     variants: dict[str, Callable[[], Step]] = {

@@ -105,7 +105,7 @@ def test_second_process_hits_on_the_gpu(tmp_path: Path) -> None:
 _CUDAGRAPH_CHILD = r"""
 import json, sys, torch, torchloom, loom_cudagraph
 from torchloom._models import GPTStack
-from torchloom._stage_cudagraph import cudagraph_stats
+from torchloom import cudagraph_stats
 phase, codegen = sys.argv[1], sys.argv[2]
 if phase == "warm":
     def refuse(*args, **kwargs):

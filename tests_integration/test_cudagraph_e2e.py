@@ -16,7 +16,7 @@ from torch import nn
 
 import loom_cudagraph
 import torchloom
-from torchloom._stage_cudagraph import cudagraph_stats
+from torchloom import cudagraph_stats
 
 pytestmark = pytest.mark.gpu
 

@@ -98,7 +98,7 @@ def test_dynamic_block_compiles_where_aot_eager_does_and_matches_eager(
     assert frames == aot_frames
     report = torchloom.report()
     assert [r.fallback for r in report] == [None] * len(report)
-    compiled = [r for r in report if not r.entries_for("pipeline")]
+    compiled = [r for r in report if not any(e.area == "pipeline" for e in r.entries)]
     # one graph serves every size once it is dynamic (automatic: after one recompile)
     assert len(compiled) == (2 if dynamic is None and not mark else 1)
     tol = {"rtol": 2e-2, "atol": 2e-2} if hooked else {}
@@ -107,14 +107,14 @@ def test_dynamic_block_compiles_where_aot_eager_does_and_matches_eager(
     for a, b in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, **tol)
     if hooked:
-        placed = [e for r in compiled for e in r.entries_for("hooks") if e.kind == "placed"]
+        placed = [e for r in compiled for e in r.entries if (e.area, e.kind) == ("hooks", "placed")]
         assert len(placed) == len(compiled)
 
 
 def test_restart_analysis_reaches_dynamo_and_is_recorded_not_a_fallback() -> None:
     _train(_loom({"codegen": "eager"}), True)
     report = torchloom.report()
-    restarts = [e for r in report for e in r.entries_for("pipeline") if e.kind == "restart"]
+    restarts = [e for r in report for e in r.entries if (e.area, e.kind) == ("pipeline", "restart")]
     assert restarts and "TensorifyScalarRestartAnalysis" in restarts[0].message
     assert all(r.fallback is None for r in report)
     assert "fallback" not in report.format()
@@ -158,7 +158,7 @@ def test_unbacked_sizes_flow_into_the_saved_tensor_hooks_graph() -> None:
         for a, b in zip(g, w, strict=True):
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     (record,) = torchloom.report()
-    (placed,) = [e for e in record.entries_for("hooks") if e.kind == "placed"]
+    (placed,) = [e for e in record.entries if (e.area, e.kind) == ("hooks", "placed")]
     assert "2 saved tensor(s)" in placed.message  # both saved tensors have size u0
     backward = dict(record.graphs)["backward"]
     assert "sym_size" in backward or "u0" in backward
@@ -217,7 +217,7 @@ def test_dynamic_graph_hits_the_cache_in_a_second_process(tmp_path: Path) -> Non
 
 @pytest.mark.gpu
 def test_dynamic_training_with_cudagraphs_records_per_shape_within_the_budget() -> None:
-    from torchloom._stage_cudagraph import cudagraph_stats
+    from torchloom import cudagraph_stats
 
     first = len(cudagraph_stats())
     model = _block().cuda()

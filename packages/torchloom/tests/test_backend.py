@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torchloom
-from torchloom._stages import STAGES, GraphContext, GraphKind, PipelineStage
+from torchloom import GraphKind, LoomRefusal, Pipeline, RefusalKind, Unsupported
 
 EAGER = {"codegen": "eager"}
 
@@ -80,7 +80,7 @@ def test_report_has_ids_input_metadata_and_timed_stages() -> None:
         ("tensor", "float32", ("3", "4"), False),
     ]
     names = {s.name for s in g.stages}
-    assert {"aot", "partition", "compile.forward", "cache.wrap_backend"} <= names
+    assert {"aot", "partition", "compile.forward", "hooks.prepare", "cache.key"} <= names
     assert all(s.seconds >= 0 for s in g.stages)
     assert {s.owner for s in g.stages if s.name in ("aot", "partition", "compile.forward")} == {
         "torch"
@@ -117,40 +117,35 @@ def test_graph_without_tensor_work_runs_eagerly_with_a_logged_reason(
         assert g.fallback is None or "no tensor work" in g.fallback
 
 
-class _RefuseEverything(PipelineStage):
-    name = "refuser"
-
-    def before_aot(
-        self, ctx: GraphContext, gm: torch.fx.GraphModule, example_inputs: object
-    ) -> torch.fx.GraphModule:
-        raise ctx.refuse("test stage refuses", where="test.py:1", hint="do not")
+def _refuse_everything(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    reason = Unsupported(RefusalKind.STAGE_REFUSED, "test.py:1", "test pass refuses", "do not")
+    raise LoomRefusal(reason)
 
 
-@pytest.fixture
-def refusing_stage() -> Iterator[None]:
-    stage = _RefuseEverything()
-    STAGES.append(stage)
-    yield
-    STAGES.remove(stage)
+REFUSING = Pipeline(dynamo_passes=(_refuse_everything,))
 
 
-@pytest.mark.usefixtures("refusing_stage")
 def test_refused_graph_falls_back_to_eager_with_reason_in_log_and_report(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    f = torch.compile(lambda x: x.sin() * 3, backend="loom", options=EAGER)
+    f = torch.compile(lambda x: x.sin() * 3, backend=REFUSING, options=EAGER)
     x = torch.randn(4)
     with caplog.at_level(logging.WARNING, logger="torchloom"):
         torch.testing.assert_close(f(x), x.sin() * 3)
-    assert "test stage refuses" in caplog.text
+    assert "test pass refuses" in caplog.text
     (g,) = torchloom.report()
     assert g.fallback is not None and "test.py:1" in g.fallback
+    assert g.refusal is not None and g.fallback == str(g.refusal)
+    assert (g.refusal.kind, g.refusal.where, g.refusal.hint) == (
+        RefusalKind.STAGE_REFUSED,
+        "test.py:1",
+        "do not",
+    )
 
 
-@pytest.mark.usefixtures("refusing_stage")
 def test_strict_mode_raises_the_refusal() -> None:
-    f = torch.compile(lambda x: x.sin() * 3, backend="loom", options={**EAGER, "strict": True})
-    with pytest.raises(Exception, match="test stage refuses"):
+    f = torch.compile(lambda x: x.sin() * 3, backend=REFUSING, options={**EAGER, "strict": True})
+    with pytest.raises(Exception, match="test pass refuses"):
         f(torch.randn(4))
 
 
@@ -160,20 +155,13 @@ def test_invalid_option_raises_when_compiling() -> None:
         f(torch.randn(2))
 
 
-class _WatchBackwardInputs(PipelineStage):
-    name = "watch"
+class _WatchBackwardInputs:
+    """Wraps each compiled backward to see how many inputs it left in its list."""
 
     def __init__(self) -> None:
         self.left_after_call: list[int] = []
 
-    def wrap_compiled(
-        self,
-        ctx: GraphContext,
-        fn: Callable[..., Any],
-        gm: torch.fx.GraphModule,
-        kind: GraphKind,
-        example_inputs: object,
-    ) -> Callable[..., Any]:
+    def __call__(self, kind: GraphKind, fn: Callable[..., Any]) -> Callable[..., Any]:
         if kind is not GraphKind.BACKWARD:
             return fn
 
@@ -191,15 +179,13 @@ def test_compiled_backward_takes_its_inputs_boxed_and_clears_them(codegen: str) 
     """The backward gets the saved tensors in a list it empties, so each one can
     be freed at its last use rather than when the backward returns."""
     watch = _WatchBackwardInputs()
-    STAGES.append(watch)
-    try:
-        f = torch.compile(
-            lambda x: (x.exp() * x).sum(), backend="loom", options={"codegen": codegen}
-        )
-        x = torch.randn(64, requires_grad=True)
-        f(x).backward()
-    finally:
-        STAGES.remove(watch)
+    f = torch.compile(
+        lambda x: (x.exp() * x).sum(),
+        backend=Pipeline(compiled_wrappers=(watch,)),
+        options={"codegen": codegen},
+    )
+    x = torch.randn(64, requires_grad=True)
+    f(x).backward()
     torch.testing.assert_close(x.grad, (x.exp() * x + x.exp()).detach())
     assert watch.left_after_call == [0]
 
@@ -227,52 +213,25 @@ def test_inductor_codegen_matches_eager_in_training() -> None:
 def test_graph_aot_cannot_trace_falls_back_with_user_location(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    class Broken(PipelineStage):
-        name = "broken"
+    def broken(kind: GraphKind, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        raise ValueError("codegen exploded")
 
-        def before_codegen(
-            self,
-            ctx: GraphContext,
-            gm: torch.fx.GraphModule,
-            kind: GraphKind,
-            example_inputs: object,
-        ) -> torch.fx.GraphModule:
-            raise ValueError("codegen exploded")
+    pipeline = Pipeline(graph_passes=(broken,))
 
-    stage = Broken()
-    STAGES.append(stage)
-    try:
+    def user_fn(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() + 1
 
-        def user_fn(x: torch.Tensor) -> torch.Tensor:
-            return x.sin() + 1
-
-        f = torch.compile(user_fn, backend="loom", options=EAGER)
-        x = torch.randn(3)
-        with caplog.at_level(logging.WARNING, logger="torchloom"):
-            torch.testing.assert_close(f(x), x.sin() + 1)
-        strict = torch.compile(user_fn, backend="loom", options={**EAGER, "strict": True})
-        torch._dynamo.reset()
-        with pytest.raises(Exception, match="codegen exploded"):
-            strict(x)
-    finally:
-        STAGES.remove(stage)
+    f = torch.compile(user_fn, backend=pipeline, options=EAGER)
+    x = torch.randn(3)
+    with caplog.at_level(logging.WARNING, logger="torchloom"):
+        torch.testing.assert_close(f(x), x.sin() + 1)
+    strict = torch.compile(user_fn, backend=pipeline, options={**EAGER, "strict": True})
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="codegen exploded"):
+        strict(x)
     (g, *_) = torchloom.report()
     assert g.fallback is not None
     assert "codegen exploded" in g.fallback and "test_backend.py:" in g.fallback
-
-
-class _SignalInsideAot(PipelineStage):
-    """Raises one of Dynamo's control-flow exceptions from inside AOTAutograd."""
-
-    name = "signal"
-
-    def __init__(self, signal: BaseException) -> None:
-        self.signal = signal
-
-    def after_partition(
-        self, ctx: GraphContext, fw_gm: torch.fx.GraphModule, bw_gm: torch.fx.GraphModule
-    ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        raise self.signal
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -288,18 +247,19 @@ class _SignalInsideAot(PipelineStage):
 def test_dynamo_control_flow_exceptions_propagate_and_are_never_a_fallback(
     signal: BaseException, strict: bool
 ) -> None:
+    def signal_inside_aot(
+        fw: torch.fx.GraphModule, bw: torch.fx.GraphModule
+    ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        raise signal
+
     gm = torch.fx.symbolic_trace(lambda x: ((x.sin() * 3).sum(),))
-    stage = _SignalInsideAot(signal)
-    STAGES.append(stage)
-    try:
-        with pytest.raises(type(signal)):
-            torchloom.loom_backend(
-                gm,
-                [torch.randn(4, requires_grad=True)],
-                options={**EAGER, "strict": strict, "cache": False},
-            )
-    finally:
-        STAGES.remove(stage)
+    pipeline = Pipeline(partition_passes=(signal_inside_aot,))
+    with pytest.raises(type(signal)):
+        pipeline(
+            gm,
+            [torch.randn(4, requires_grad=True)],
+            options={**EAGER, "strict": strict, "cache": False},
+        )
     (g,) = torchloom.report()
     assert g.fallback is None
-    assert [e.kind for e in g.entries_for("pipeline")] == ["restart"]
+    assert [e.kind for e in g.entries if e.area == "pipeline"] == ["restart"]

@@ -126,14 +126,12 @@ def test_cache_env_off_loses_to_options_on_in_the_cache_stage(
 def test_cudagraph_or_error_env_loses_to_options_in_the_cudagraph_stage(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from torchloom._stage_cudagraph import _options
-    from torchloom._stages import GraphContext
+    from torchloom._cudagraph import cudagraph_options
 
     monkeypatch.setenv("TORCHLOOM_CUDAGRAPH_OR_ERROR", "1")
 
     def stage_options(**options: Any) -> bool:
-        ctx = GraphContext(resolve_options(options=options), None, None, ())  # type: ignore[arg-type]
-        return _options(ctx).or_error
+        return cudagraph_options(resolve_options(options=options)).or_error
 
     assert stage_options() is True
     assert stage_options(cudagraph_or_error=False) is False

@@ -339,86 +339,12 @@ def plan_graph(
     calls = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     device = _capture_device(gm, example_inputs, device)
 
-    refusals: dict[torch.fx.Node, Unsupported] = {}
-    for n in calls:
-        reason = classify_node(n, device)
-        if reason is not None:
-            refusals[n] = reason
-    if device is None:
-        for n in calls:
-            refusals.setdefault(
-                n,
-                Unsupported(
-                    SkipReason.DISABLED,
-                    source_location(n),
-                    "the graph has no CUDA tensors",
-                    cuda_work=False,
-                ),
-            )
-
-    levels = _Scheduler(calls, refusals).run()
-    by_level: dict[int, list[torch.fx.Node]] = {}
-    for n in calls:
-        by_level.setdefault(levels[n], []).append(n)
-    members = [by_level[k] for k in sorted(by_level)]
-
-    # Demote segments too small to pay for capture, then merge uncaptured neighbours.
-    captured = [all(n not in refusals for n in seg) for seg in members]
-    work = [sum(_work(n, device) for n in seg) for seg in members]
-    small: dict[int, Unsupported] = {}
-    for i, seg in enumerate(members):
-        if captured[i] and work[i] < options.min_segment_nodes:
-            captured[i] = False
-            first = next((n for n in seg if _work(n, device)), seg[0])
-            small[i] = Unsupported(
-                SkipReason.TOO_SMALL,
-                source_location(first),
-                f"segment of {work[i]} work nodes is below min_segment_nodes={options.min_segment_nodes}",
-                "lower cudagraph_min_segment_nodes to capture it",
-                cuda_work=work[i] > 0,
-            )
-    merged: list[tuple[list[torch.fx.Node], bool, list[Unsupported]]] = []
-    for i, seg in enumerate(members):
-        reasons = [refusals[n] for n in seg if n in refusals]
-        if i in small:
-            reasons.append(small[i])
-        if merged and not captured[i] and not merged[-1][1]:
-            merged[-1][0].extend(seg)
-            merged[-1][2].extend(reasons)
-        else:
-            merged.append((list(seg), captured[i], reasons))
-    for seg, _, _ in merged:
-        seg.sort(key=order.__getitem__)
-
+    refusals = _classify(calls, device)
+    merged = _segments(calls, refusals, device, options, order)
     io = _segment_io([m[0] for m in merged], output_node, order)
-    placeholder_index = {p: i for i, p in enumerate(placeholders)}
     static = frozenset(static_input_indices)
-    mutated: dict[int, set[torch.fx.Node]] = {}
-    for i, (seg, _, _) in enumerate(merged):
-        for n in seg:
-            for a in mutated_args(n.target, n.args, dict(n.kwargs)):
-                if isinstance(a, torch.fx.Node) and a.op == "placeholder":
-                    mutated.setdefault(i, set()).add(a)
-    ever_mutated = set().union(*mutated.values()) if mutated else set()
-
-    # A copied input that a later captured segment reads again is returned by the
-    # first captured segment that reads it, so the later one uses its static copy.
-    passthrough: dict[int, list[torch.fx.Node]] = {}
-    passed: set[torch.fx.Node] = set()
-    for i, (_, is_captured, _) in enumerate(merged):
-        if not is_captured:
-            continue
-        for a in io[i][0]:
-            if (
-                a.op == "placeholder"
-                and placeholder_index[a] not in static
-                and a not in passed
-                and a not in ever_mutated
-                and isinstance(a.meta.get("val"), torch.Tensor)
-                and any(merged[j][1] and a in io[j][0] for j in range(i + 1, len(merged)))
-            ):
-                passthrough.setdefault(i, []).append(a)
-                passed.add(a)
+    mutated = _mutated_inputs(merged)
+    passthrough = _passthrough(merged, io, placeholders, static, mutated)
 
     segments = []
     for i, (seg, is_captured, reasons) in enumerate(merged):
@@ -458,6 +384,118 @@ def plan_graph(
     )
     plan.check()
     return plan
+
+
+#: A segment being planned: its nodes, whether it is captured, why not.
+_Draft = tuple[list[torch.fx.Node], bool, list[Unsupported]]
+
+
+def _classify(
+    calls: list[torch.fx.Node], device: torch.device | None
+) -> dict[torch.fx.Node, Unsupported]:
+    """Phase 1: why each node that cannot be captured cannot (every node without a device)."""
+    refusals: dict[torch.fx.Node, Unsupported] = {}
+    for n in calls:
+        reason = classify_node(n, device)
+        if reason is not None:
+            refusals[n] = reason
+    if device is None:
+        for n in calls:
+            refusals.setdefault(
+                n,
+                Unsupported(
+                    SkipReason.DISABLED,
+                    source_location(n),
+                    "the graph has no CUDA tensors",
+                    cuda_work=False,
+                ),
+            )
+    return refusals
+
+
+def _segments(
+    calls: list[torch.fx.Node],
+    refusals: dict[torch.fx.Node, Unsupported],
+    device: torch.device | None,
+    options: CudagraphOptions,
+    order: dict[torch.fx.Node, int],
+) -> list[_Draft]:
+    """Phase 2: nodes scheduled into alternating segments; segments too small to pay
+    for capture demoted, then uncaptured neighbours merged."""
+    levels = _Scheduler(calls, refusals).run()
+    by_level: dict[int, list[torch.fx.Node]] = {}
+    for n in calls:
+        by_level.setdefault(levels[n], []).append(n)
+    members = [by_level[k] for k in sorted(by_level)]
+
+    captured = [all(n not in refusals for n in seg) for seg in members]
+    work = [sum(_work(n, device) for n in seg) for seg in members]
+    small: dict[int, Unsupported] = {}
+    for i, seg in enumerate(members):
+        if captured[i] and work[i] < options.min_segment_nodes:
+            captured[i] = False
+            first = next((n for n in seg if _work(n, device)), seg[0])
+            small[i] = Unsupported(
+                SkipReason.TOO_SMALL,
+                source_location(first),
+                f"segment of {work[i]} work nodes is below min_segment_nodes={options.min_segment_nodes}",
+                "lower cudagraph_min_segment_nodes to capture it",
+                cuda_work=work[i] > 0,
+            )
+    merged: list[_Draft] = []
+    for i, seg in enumerate(members):
+        reasons = [refusals[n] for n in seg if n in refusals]
+        if i in small:
+            reasons.append(small[i])
+        if merged and not captured[i] and not merged[-1][1]:
+            merged[-1][0].extend(seg)
+            merged[-1][2].extend(reasons)
+        else:
+            merged.append((list(seg), captured[i], reasons))
+    for seg, _, _ in merged:
+        seg.sort(key=order.__getitem__)
+    return merged
+
+
+def _mutated_inputs(merged: list[_Draft]) -> dict[int, set[torch.fx.Node]]:
+    """Phase 3: the graph inputs each segment mutates, by segment index."""
+    mutated: dict[int, set[torch.fx.Node]] = {}
+    for i, (seg, _, _) in enumerate(merged):
+        for n in seg:
+            for a in mutated_args(n.target, n.args, dict(n.kwargs)):
+                if isinstance(a, torch.fx.Node) and a.op == "placeholder":
+                    mutated.setdefault(i, set()).add(a)
+    return mutated
+
+
+def _passthrough(
+    merged: list[_Draft],
+    io: list[tuple[list[torch.fx.Node], list[torch.fx.Node]]],
+    placeholders: list[torch.fx.Node],
+    static: frozenset[int],
+    mutated: dict[int, set[torch.fx.Node]],
+) -> dict[int, list[torch.fx.Node]]:
+    """Phase 4: a copied input that a later captured segment reads again is returned
+    by the first captured segment that reads it, so the later one uses its static copy."""
+    placeholder_index = {p: i for i, p in enumerate(placeholders)}
+    ever_mutated = set().union(*mutated.values()) if mutated else set()
+    passthrough: dict[int, list[torch.fx.Node]] = {}
+    passed: set[torch.fx.Node] = set()
+    for i, (_, is_captured, _) in enumerate(merged):
+        if not is_captured:
+            continue
+        for a in io[i][0]:
+            if (
+                a.op == "placeholder"
+                and placeholder_index[a] not in static
+                and a not in passed
+                and a not in ever_mutated
+                and isinstance(a.meta.get("val"), torch.Tensor)
+                and any(merged[j][1] and a in io[j][0] for j in range(i + 1, len(merged)))
+            ):
+                passthrough.setdefault(i, []).append(a)
+                passed.add(a)
+    return passthrough
 
 
 def _dedup(reasons: list[Unsupported]) -> tuple[Unsupported, ...]:

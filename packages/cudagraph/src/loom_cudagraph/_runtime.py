@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from loom_cudagraph._capture import Capturer, CudaCapturer
-from loom_cudagraph._plan import PartitionPlan
+from loom_cudagraph._plan import PartitionPlan, SegmentPlan
 from loom_cudagraph._pool import MemoryPool
 from loom_cudagraph._segment import CapturedSegment, Listener, SegmentSpec, SegmentStats
 from loom_cudagraph._skiplog import report_plan_skips
@@ -259,89 +259,118 @@ def assemble_runtime(
     """
     if report_skips:
         report_plan_skips(plan)
-    n_inputs = len(plan.placeholders)
     constants = list(output_constants or [None] * len(plan.graph_outputs))
     if not plan.captured_segments:
         (fn,) = segment_fns
-        writes = tuple(range(n_inputs, n_inputs + len(plan.graph_outputs)))
-        stats: list[SegmentStats | CapturedSegment] = [
-            _uncaptured_stats(plan, i, f"{plan.graph}/{s.name}")
-            for i, s in enumerate(plan.segments)
-        ]
-        whole: list[tuple[int, Any]] = [(slot, None) for slot in writes]
-        return CudagraphRuntime(
-            plan, [(fn, tuple(range(n_inputs)), writes, ())], whole, n_inputs + len(writes), stats
-        )
-
+        return _whole_graph_runtime(plan, fn)
     device = torch.device(plan.device) if plan.device else None
     if capturer is None:
         capturer = CudaCapturer(device or torch.device("cuda"))
-    placeholder_slot = {name: i for i, name in enumerate(plan.placeholders)}
+    layout = _SlotLayout.of(plan)
     graph_outputs = {o for o in plan.graph_outputs if o is not None}
-
-    # Slot bookkeeping: ``read`` maps a value name to the slot later segments read it from.
-    read = dict(placeholder_slot)
-    final: dict[str, int] = dict(placeholder_slot)
-    n_slots = n_inputs
-    seg_reads: list[tuple[int, ...]] = []
-    seg_writes: list[tuple[int, ...]] = []
-    for seg in plan.segments:
-        seg_reads.append(tuple(read[name] for name in seg.inputs))
-        writes_ = []
-        for name in seg.outputs:
-            writes_.append(n_slots)
-            read[name] = n_slots
-            if name not in seg.passthrough:
-                final[name] = n_slots
-            n_slots += 1
-        seg_writes.append(tuple(writes_))
-    last_read: dict[int, int] = {}
-    for k, reads in enumerate(seg_reads):
-        for slot in reads:
-            last_read[slot] = k
-    keep = {final[o] for o in graph_outputs}
-    frees: list[list[int]] = [[] for _ in plan.segments]
-    for slot, k in last_read.items():
-        if slot not in keep:
-            frees[k].append(slot)
-
     steps: list[Step] = []
-    stats = []
+    stats: list[SegmentStats | CapturedSegment] = []
     for k, (seg, fn) in enumerate(zip(plan.segments, segment_fns, strict=True)):
         name = f"{plan.graph}/{seg.name}"
         run: BoxedFn
         if seg.captured:
-            static_positions = frozenset(
-                i
-                for i, n in enumerate(seg.inputs)
-                if n in placeholder_slot and placeholder_slot[n] in plan.static_inputs
-            )
-            spec = SegmentSpec(
-                name=name,
-                input_names=seg.inputs,
-                input_sources=seg.input_sources or tuple("" for _ in seg.inputs),
-                static_positions=static_positions,
-                mutated_positions=frozenset(
-                    i for i, n in enumerate(seg.inputs) if n in seg.mutated_inputs
-                ),
-                escaping_outputs=frozenset(
-                    i
-                    for i, n in enumerate(seg.outputs)
-                    if n in graph_outputs and n not in seg.passthrough
-                ),
-                dynamic=plan.dynamic,
-                options=plan.options,
-                nodes=len(seg.nodes),
-            )
+            spec = _segment_spec(plan, seg, name, graph_outputs)
             captured = CapturedSegment(fn, spec, capturer, device, pool, listener)
             run = captured
             stats.append(captured)
         else:
             run = fn
             stats.append(_uncaptured_stats(plan, k, name))
-        steps.append((run, seg_reads[k], seg_writes[k], tuple(sorted(frees[k]))))
+        steps.append((run, layout.reads[k], layout.writes[k], layout.frees[k]))
+    final = layout.final
     outputs: list[tuple[int, Any]] = [
         (final[o], None) if o is not None else (-1, c)
         for o, c in zip(plan.graph_outputs, constants, strict=True)
     ]
-    return CudagraphRuntime(plan, steps, outputs, n_slots, stats)
+    return CudagraphRuntime(plan, steps, outputs, layout.n_slots, stats)
+
+
+def _whole_graph_runtime(plan: PartitionPlan, fn: BoxedFn) -> CudagraphRuntime:
+    """Nothing captured: one step runs the whole graph."""
+    n_inputs = len(plan.placeholders)
+    writes = tuple(range(n_inputs, n_inputs + len(plan.graph_outputs)))
+    stats: list[SegmentStats | CapturedSegment] = [
+        _uncaptured_stats(plan, i, f"{plan.graph}/{s.name}") for i, s in enumerate(plan.segments)
+    ]
+    whole: list[tuple[int, Any]] = [(slot, None) for slot in writes]
+    return CudagraphRuntime(
+        plan, [(fn, tuple(range(n_inputs)), writes, ())], whole, n_inputs + len(writes), stats
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SlotLayout:
+    """Where each segment reads its inputs and writes its outputs in the runtime's
+    value list, which slots it frees after running, and each value's final slot."""
+
+    reads: tuple[tuple[int, ...], ...]
+    writes: tuple[tuple[int, ...], ...]
+    frees: tuple[tuple[int, ...], ...]
+    final: dict[str, int]
+    n_slots: int
+
+    @staticmethod
+    def of(plan: PartitionPlan) -> _SlotLayout:
+        placeholder_slot = {name: i for i, name in enumerate(plan.placeholders)}
+        graph_outputs = {o for o in plan.graph_outputs if o is not None}
+        # ``read`` maps a value name to the slot later segments read it from.
+        read = dict(placeholder_slot)
+        final: dict[str, int] = dict(placeholder_slot)
+        n_slots = len(plan.placeholders)
+        seg_reads: list[tuple[int, ...]] = []
+        seg_writes: list[tuple[int, ...]] = []
+        for seg in plan.segments:
+            seg_reads.append(tuple(read[name] for name in seg.inputs))
+            writes = []
+            for name in seg.outputs:
+                writes.append(n_slots)
+                read[name] = n_slots
+                if name not in seg.passthrough:
+                    final[name] = n_slots
+                n_slots += 1
+            seg_writes.append(tuple(writes))
+        last_read: dict[int, int] = {}
+        for k, reads in enumerate(seg_reads):
+            for slot in reads:
+                last_read[slot] = k
+        keep = {final[o] for o in graph_outputs}
+        frees: list[list[int]] = [[] for _ in plan.segments]
+        for slot, k in last_read.items():
+            if slot not in keep:
+                frees[k].append(slot)
+        return _SlotLayout(
+            tuple(seg_reads),
+            tuple(seg_writes),
+            tuple(tuple(sorted(f)) for f in frees),
+            final,
+            n_slots,
+        )
+
+
+def _segment_spec(
+    plan: PartitionPlan, seg: SegmentPlan, name: str, graph_outputs: set[str]
+) -> SegmentSpec:
+    """What a captured segment's runtime needs to know of its inputs and outputs."""
+    placeholder_slot = {n: i for i, n in enumerate(plan.placeholders)}
+    return SegmentSpec(
+        name=name,
+        input_names=seg.inputs,
+        input_sources=seg.input_sources or tuple("" for _ in seg.inputs),
+        static_positions=frozenset(
+            i
+            for i, n in enumerate(seg.inputs)
+            if n in placeholder_slot and placeholder_slot[n] in plan.static_inputs
+        ),
+        mutated_positions=frozenset(i for i, n in enumerate(seg.inputs) if n in seg.mutated_inputs),
+        escaping_outputs=frozenset(
+            i for i, n in enumerate(seg.outputs) if n in graph_outputs and n not in seg.passthrough
+        ),
+        dynamic=plan.dynamic,
+        options=plan.options,
+        nodes=len(seg.nodes),
+    )

@@ -19,5 +19,3 @@ PY_TAG: Final[str] = f"cp{sys.version_info[0]}{sys.version_info[1]}"
 FOR_ITER_SKIPS_END_FOR: Final[bool] = PY312
 # 3.12: LOAD_ATTR with the low oparg bit set behaves like 3.11's LOAD_METHOD.
 LOAD_ATTR_HAS_METHOD_BIT: Final[bool] = PY312
-# 3.11 compiles comprehensions into nested functions; 3.12 inlines them.
-COMPREHENSIONS_INLINED: Final[bool] = PY312

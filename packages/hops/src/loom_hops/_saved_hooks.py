@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -182,11 +181,3 @@ def prepare_saved_tensors_hooks(
 
         python_tracer = trace_python_hooks
     return python_tracer(pair, decompositions)
-
-
-def hook_source_line(fn: Callable[..., Any]) -> str:
-    """``file:line`` of a hook's definition, for messages."""
-    try:
-        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
-    except (OSError, TypeError):
-        return _where(fn)

@@ -18,7 +18,7 @@ from torch.fx.node import Argument
 
 from loom_resize import _torch_compat as compat
 from loom_resize._nodes import fill_pairs, finish_graph, is_fill
-from loom_resize._plan import plan_storage_resizes
+from loom_resize._plan import ResizePlan, plan_storage_resizes
 from loom_resize._result import Change, PassResult
 
 __all__ = ["rewrite_fills_as_fsdp_copy"]
@@ -37,18 +37,20 @@ def _copy_node(gm: GraphModule, before: Node, dst: Node, src: Argument, origin: 
     return new
 
 
-def rewrite_fills_as_fsdp_copy(gm: GraphModule) -> PassResult:
+def rewrite_fills_as_fsdp_copy(gm: GraphModule, plan: ResizePlan | None = None) -> PassResult:
     """Rewrite ``copy_`` / ``_foreach_copy_`` into resized inputs as ``fsdp.copy_``.
 
     Refuses (raises :class:`~loom_resize.ResizeRefused`) what
     :func:`~loom_resize.plan_storage_resizes` refuses. In a ``_foreach_copy_``
-    only the pairs whose destination is resized are split out.
+    only the pairs whose destination is resized are split out. ``plan`` is the
+    graph's plan when the caller made it already (it is made here otherwise).
 
     >>> result = rewrite_fills_as_fsdp_copy(dynamo_gm)  # doctest: +SKIP
     >>> result.changes[0].what  # doctest: +SKIP
     "copy_ -> fsdp.copy_ from 'l_src_'"
     """
-    plan = plan_storage_resizes(gm)
+    if plan is None:
+        plan = plan_storage_resizes(gm)
     resized = {i.name for i in plan.inputs}
     fsdp_targets = compat.fsdp_copy_targets()
     changes: list[Change] = []

@@ -2,7 +2,8 @@
 
 It owns everything after Dynamo: AOTAutograd with its own partition step and
 compilers, the torchloom packages' passes (hooks, storage resizing, CUDA
-graphs, cache) as pipeline stages, codegen per graph, and the runtime.
+graphs, cache) as steps of one pipeline (:class:`Pipeline`), codegen per
+graph, and the runtime.
 
 >>> import torch, torchloom
 >>> f = torch.compile(lambda x: x.sin() * 2, backend="loom")
@@ -12,8 +13,10 @@ graphs, cache) as pipeline stages, codegen per graph, and the runtime.
 from loom_hops import grad_hook
 from torchloom._api import reset
 from torchloom._backend import loom_backend
+from torchloom._cudagraph import cudagraph_stats
 from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
 from torchloom._options import MODES, LoomOptions, LoomOptionsError, resolve_options
+from torchloom._pipeline import Pipeline
 from torchloom._report import (
     GraphRecord,
     InputMeta,
@@ -22,22 +25,26 @@ from torchloom._report import (
     StageRecord,
     report,
 )
+from torchloom._values import GraphKind
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MODES",
+    "GraphKind",
     "GraphRecord",
     "InputMeta",
     "LoomOptions",
     "LoomOptionsError",
     "LoomRefusal",
+    "Pipeline",
     "RefusalKind",
     "Report",
     "ReportEntry",
     "StageRecord",
     "Unsupported",
     "__version__",
+    "cudagraph_stats",
     "grad_hook",
     "loom_backend",
     "report",

@@ -12,8 +12,7 @@ from typing import Any
 
 from torch.fx import GraphModule
 
-from torchloom._options import resolve_options
-from torchloom._pipeline import compile_graph
+from torchloom._pipeline import DEFAULT_PIPELINE
 
 __all__ = ["loom_backend"]
 
@@ -29,4 +28,4 @@ def loom_backend(
 
     >>> compiled = torch.compile(model, backend="loom", options={"codegen": "eager"})
     """
-    return compile_graph(gm, example_inputs, resolve_options(mode, options))
+    return DEFAULT_PIPELINE(gm, example_inputs, mode=mode, options=options)

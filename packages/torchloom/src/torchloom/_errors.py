@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 __all__ = ["LoomRefusal", "RefusalKind", "Unsupported"]
 
@@ -26,12 +27,17 @@ class RefusalKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Unsupported:
-    """What was refused, where, why, and what to do instead."""
+    """What was refused, where, why, and what to do instead.
+
+    ``cause`` keeps the package's own refusal when a package refused (e.g. a
+    ``loom_resize.Unsupported`` with its kind, where and hint), as typed data.
+    """
 
     kind: RefusalKind
     where: str
     explanation: str
     hint: str = ""
+    cause: Any = dataclasses.field(default=None, compare=False)
 
     def __str__(self) -> str:
         text = f"{self.where}: {self.explanation}" if self.where else self.explanation

@@ -1,48 +1,570 @@
-"""The ``loom`` pipeline: Dynamo graph → AOTAutograd with torchloom's own
-partition step and compilers → codegen per graph → runtime wrapper.
+"""The ``loom`` pipeline: one function whose steps appear in the order they run.
 
-The pipeline itself knows no package: each takes part through a
-:class:`~torchloom._stages.PipelineStage` in :data:`~torchloom._stages.STAGES`.
-Every stage's work is timed into the graph's record behind
-:func:`torchloom.report`.
+::
+
+    compile_graph(gm, example_inputs, options)
+     ├─ snapshot          options, active saved-tensor hooks, grad_hook sites     → Snapshot
+     ├─ prepare           hooks traced, resize plan, cache key                    → Prepared
+     ├─ serve_from_cache  a hit: AOTAutograd's stored result, nothing traced     → Compiled
+     │  or compile_cold   AOTAutograd with loom's partition step; per aten graph:
+     │                      loom's passes, then codegen chosen (CUDA-graph segments
+     │                      or the whole graph), then stored in the cache          → Compiled
+     └─ wrap_runtime      resize storage guard, hook guards and pack effects      → callable
+
+Each step takes and returns frozen values; the graph's report builder is the one
+thing every step writes to. Every step is timed into the graph's record behind
+:func:`torchloom.report` with its own time and owner. A step refuses a graph by
+raising :class:`~torchloom.LoomRefusal`: the graph then runs eagerly with the
+reason in the log and the report, or the refusal is raised in strict mode.
+:class:`Pipeline` holds the parts a test replaces (a capturer, a store, extra
+passes); ``backend="loom"`` runs the default one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
 
+import loom_cache
+import loom_cudagraph
+import loom_hops
+import loom_resize
 from torchloom import _torch_compat as compat
+from torchloom._aot_cache import AotCacheSlot, CacheNotServed, aot_cache_slot
+from torchloom._cache import (
+    CacheLookup,
+    CacheRun,
+    backward_compiled,
+    cache_key,
+    cache_store,
+    finish_cold,
+    look_up,
+    record_hit,
+    replay_artifact,
+)
+from torchloom._cudagraph import (
+    CudagraphSession,
+    PlanFn,
+    compile_segmented,
+    cudagraph_error,
+    cudagraph_session,
+    cudagraph_settings,
+    replay_plans,
+)
 from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
+from torchloom._grad_hooks import grad_hooks_context, inline_grad_hooks
+from torchloom._hooks import (
+    HookPlacement,
+    HooksPlan,
+    hooks_compile_context,
+    in_placement_order,
+    inline_hook_graphs,
+    order_tensor_hooks,
+    place_hooks,
+    prepare_hooks,
+    with_unpack_effects,
+    wrap_hooks_runtime,
+)
 from torchloom._log import get_logger
-from torchloom._options import LoomOptions
-from torchloom._report import InputMeta, Owner, new_record
-from torchloom._stages import STAGES, Codegen, GraphContext, GraphKind
+from torchloom._options import LoomOptions, resolve_options
+from torchloom._output_code import EagerOutputCode
+from torchloom._report import GraphRecordBuilder, InputMeta, new_record
+from torchloom._resize import guard_storage_sizes, plan_resizes, resize_passes, rewrite_fills
+from torchloom._values import Codegen, GraphKind, Snapshot
 
-__all__ = ["compile_graph", "input_metadata"]
+__all__ = [
+    "Compiled",
+    "DynamoPass",
+    "GraphPass",
+    "PartitionPass",
+    "Pipeline",
+    "Prepared",
+    "compile_graph",
+    "eager_codegen",
+    "input_metadata",
+]
 
 log = get_logger("pipeline")
 graphs_log = get_logger("graphs")
 
+#: An extra pass over Dynamo's graph, after loom's, before AOTAutograd.
+DynamoPass = Callable[[GraphModule], GraphModule]
+#: An extra pass over the partitioned forward and backward, after loom's hook placement.
+PartitionPass = Callable[[GraphModule, GraphModule], tuple[GraphModule, GraphModule]]
+#: An extra pass over one aten graph, after loom's, before codegen.
+GraphPass = Callable[[GraphKind, GraphModule], GraphModule]
+#: Wraps one compiled aten graph (a boxed callable).
+CompiledWrapper = Callable[[GraphKind, Callable[..., Any]], Callable[..., Any]]
 
-def _timed(
-    ctx: GraphContext, name: str, detail: str = "", owner: Owner = "loom"
-) -> contextlib.AbstractContextManager[None]:
-    return ctx.record.timed(name, detail, owner)
+
+def eager_codegen(
+    gm: GraphModule, example_inputs: Sequence[Any], static_input_idxs: Sequence[int]
+) -> Callable[..., Any]:
+    """``codegen="eager"``: the FX graph run as it is, with the boxed convention."""
+    return compat.boxed_graph_callable(gm)
 
 
-def _timed_call(
-    ctx: GraphContext, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
-) -> Any:
-    with _timed(ctx, name):
-        return fn(*args, **kwargs)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pipeline:
+    """The replaceable parts of the pipeline; calling it is a ``torch.compile`` backend.
+
+    The default instance is what ``backend="loom"`` runs. Tests pass their own
+    parts instead of patching module globals::
+
+        host = Pipeline(capturer=loom_cudagraph.HostCapturer(), cudagraph_device="cpu")
+        torch.compile(f, backend=host, options={"cudagraphs": True})
+
+    Parts that stand in for loom's own (``capturer``, ``store``, ``eager_codegen``,
+    ``plan_graph``, ``place_saved_tensor_hooks``) must produce what loom's would;
+    the extra passes and wrappers are named in the cache key.
+    """
+
+    #: Captures CUDA graphs (``None``: the CUDA capturer); ``cudagraph_device`` plans for it.
+    capturer: loom_cudagraph.Capturer | None = None
+    cudagraph_device: str | None = None
+    #: The cache store of this process.
+    store: Callable[[], loom_cache.TieredStore] = cache_store
+    #: Codegen for ``codegen="eager"`` graphs the cache does not take (cache off).
+    eager_codegen: Codegen = eager_codegen
+    plan_graph: PlanFn = loom_cudagraph.plan_graph
+    place_saved_tensor_hooks: Callable[..., Any] = loom_hops.place_saved_tensor_hooks
+    dynamo_passes: tuple[DynamoPass, ...] = ()
+    partition_passes: tuple[PartitionPass, ...] = ()
+    graph_passes: tuple[GraphPass, ...] = ()
+    compiled_wrappers: tuple[CompiledWrapper, ...] = ()
+
+    def __call__(
+        self,
+        gm: GraphModule,
+        example_inputs: Sequence[Any],
+        *,
+        mode: str | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> Callable[..., Any]:
+        return compile_graph(gm, example_inputs, resolve_options(mode, options), self)
+
+    def describe(self) -> tuple[str, ...]:
+        """The extra passes and wrappers, by qualified name (a cache key component)."""
+        extra = (*self.dynamo_passes, *self.partition_passes, *self.graph_passes)
+        return tuple(
+            f"{getattr(p, '__module__', '?')}.{getattr(p, '__qualname__', type(p).__name__)}"
+            for p in (*extra, *self.compiled_wrappers)
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prepared:
+    """What every later step reads: the snapshot, the hooks plan, the one resize
+    plan and the cache key (or why the graph bypasses the cache)."""
+
+    snapshot: Snapshot
+    hooks: HooksPlan
+    resize: loom_resize.ResizePlan
+    key: loom_cache.CacheKey | loom_cache.CacheBypass
+    cudagraph: CudagraphSession = dataclasses.field(compare=False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Compiled:
+    """The callable AOTAutograd returned, where it came from, and what the hook
+    placement did while compiling (nothing on a hit: the placement is in the graphs)."""
+
+    fn: Callable[..., Any]
+    source: str  # "cache" or "cold"
+    hooks: HookPlacement = dataclasses.field(default_factory=HookPlacement)
+
+
+# --- the pipeline ---------------------------------------------------------------------------
+
+
+def compile_graph(
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    options: LoomOptions,
+    pipeline: Pipeline | None = None,
+) -> Callable[..., Any]:
+    """Compile one Dynamo graph with the ``loom`` pipeline."""
+    parts = pipeline or DEFAULT_PIPELINE
+    record = new_record(
+        str(gm.meta.get("dynamo_compile_id", "graph")),
+        input_metadata(example_inputs),
+        options.as_dict(),
+    )
+    with record.timed("report.graphs"):
+        _show(record, "dynamo", gm)
+    if not _has_tensor_work(gm):
+        reason = Unsupported(RefusalKind.NO_TENSOR_WORK, "", "the graph has no tensor work")
+        return _eager_fallback(record, gm, reason)
+    try:
+        snapshot = take_snapshot(gm, example_inputs, options, record)
+        prepared = prepare(parts, snapshot)
+        with compile_context(prepared):
+            served = serve_from_cache(parts, prepared)
+            compiled = (
+                served if isinstance(served, Compiled) else compile_cold(parts, prepared, served)
+            )
+        return wrap_runtime(prepared, compiled)
+    except compat.CONTROL_FLOW_EXCEPTIONS as signal:
+        # Not a refusal: Dynamo restarts (or skips) the frame and calls the backend again.
+        record.add_entry(
+            "pipeline", "restart", f"Dynamo asked to {type(signal).__name__}; not compiled here"
+        )
+        log.debug("graph %d: %s propagates to Dynamo", record.graph_id, type(signal).__name__)
+        raise
+    except LoomRefusal as refusal:
+        if options.strict:
+            raise
+        return _eager_fallback(record, gm, refusal.reason)
+
+
+def take_snapshot(
+    gm: GraphModule, example_inputs: Sequence[Any], options: LoomOptions, record: GraphRecordBuilder
+) -> Snapshot:
+    """Step 1: what the compilation depends on, read once."""
+    with record.timed("snapshot"):
+        return Snapshot(
+            gm,
+            tuple(example_inputs),
+            options,
+            record,
+            loom_hops.active_saved_tensors_hooks(),
+            bool(loom_hops.grad_hook_sites(gm)),
+        )
+
+
+def prepare(parts: Pipeline, snapshot: Snapshot) -> Prepared:
+    """Step 2: the hooks traced, the resize plan, the cache key."""
+    record, options = snapshot.record, snapshot.options
+    with record.timed("hooks.prepare"):
+        hooks = prepare_hooks(snapshot)
+    with record.timed("resize.plan"):
+        resize = plan_resizes(snapshot)
+    with record.timed("cache.key"):
+        settings = {
+            "cudagraph": cudagraph_settings(options, parts.capturer, parts.cudagraph_device)
+        }
+        key = cache_key(snapshot, hooks, settings, parts.describe())
+    session = CudagraphSession(snapshot.graph_id, record, parts.capturer, parts.cudagraph_device)
+    return Prepared(snapshot, hooks, resize, key, session)
+
+
+@contextlib.contextmanager
+def compile_context(prepared: Prepared) -> Any:
+    """Around serving or compiling: the CUDA-graph session runtimes join, and Dynamo's
+    own saved-tensor hook inlining off where loom places (or refuses) the pair."""
+    with cudagraph_session(prepared.cudagraph), hooks_compile_context(prepared.hooks):
+        yield
+
+
+def serve_from_cache(parts: Pipeline, prepared: Prepared) -> Compiled | CacheLookup | None:
+    """Step 3a: a hit serves AOTAutograd's stored result (no tracing, no passes, no
+    codegen) and replays the cold compilation's report. Otherwise it returns the
+    lookup that missed, with the reason (``None``: the graph bypasses the cache)."""
+    key, record = prepared.key, prepared.snapshot.record
+    if isinstance(key, loom_cache.CacheBypass):
+        return None
+    with record.timed("cache.load"):
+        lookup = look_up(parts.store(), key)
+    if lookup.artifact is None:
+        return lookup
+    slot = AotCacheSlot(key=f"loom-{key.digest}", load=lookup.artifact.aot_result, serve_only=True)
+    try:
+        with aot_cache_slot(slot), grad_hooks_context(prepared.snapshot):
+            fn = _aot_call(parts, prepared, served=True)
+    except CacheNotServed:
+        reason = f"stored artifact could not be served: {slot.load_error}"
+        log.warning("graph %d: %s", record.graph_id, reason)
+        return dataclasses.replace(lookup, artifact=None, reason=reason)
+    with record.timed("cache.replay"):
+        replay_artifact(
+            record,
+            lookup.artifact,
+            {"cudagraph": functools.partial(replay_plans, prepared.cudagraph)},
+        )
+        record_hit(record, lookup)
+    return Compiled(fn, "cache")
+
+
+def compile_cold(parts: Pipeline, prepared: Prepared, lookup: CacheLookup | None) -> Compiled:
+    """Step 3b: AOTAutograd with loom's partition step and per-graph passes and
+    codegen; with a cache key (``lookup`` missed), the result is stored, after the
+    first backward when AOTAutograd compiles that lazily."""
+    record = prepared.snapshot.record
+    if lookup is None:
+        with grad_hooks_context(prepared.snapshot):
+            return _compile_cold(parts, prepared, None)
+    slot = AotCacheSlot(key=f"loom-{lookup.key.digest}")
+    built = record.build()
+    run = CacheRun(
+        lookup,
+        slot,
+        len(built.entries),
+        len(built.graphs),
+        lambda: {"cudagraph": prepared.cudagraph.payload()},
+    )
+    with aot_cache_slot(slot), grad_hooks_context(prepared.snapshot):
+        compiled = _compile_cold(parts, prepared, run)
+    if prepared.hooks.refused or prepared.hooks.past_limit or compiled.hooks.refused:
+        run.not_cacheable = "the hooks stay eager"
+    with record.timed("cache.store"):
+        finish_cold(record, run)
+    return compiled
+
+
+def wrap_runtime(prepared: Prepared, compiled: Compiled) -> Callable[..., Any]:
+    """Step 4: the callable for Dynamo: storage-size guard, hook guards and effects."""
+    snapshot = prepared.snapshot
+    with snapshot.record.timed("runtime.wrap"):
+        fn = guard_storage_sizes(compiled.fn, snapshot, prepared.resize)
+        return wrap_hooks_runtime(fn, prepared.hooks, compiled.hooks)
+
+
+# --- the cold compile -----------------------------------------------------------------------
+
+
+class _Cold:
+    """The cold compile's builder: what the hook placement did (set by the partition step)."""
+
+    def __init__(self) -> None:
+        self.hooks = HookPlacement()
+
+
+def _compile_cold(parts: Pipeline, prepared: Prepared, run: CacheRun | None) -> Compiled:
+    snapshot = prepared.snapshot
+    record = snapshot.record
+    cold = _Cold()
+    with record.timed("pipeline"):
+        gm = snapshot.gm
+        with record.timed("hooks.order_tensor_hooks"):
+            gm = order_tensor_hooks(record, gm)
+        with record.timed("resize.rewrite_fills"):
+            gm = rewrite_fills(snapshot, gm, prepared.resize)
+        for dynamo_pass in parts.dynamo_passes:
+            gm = dynamo_pass(gm)
+        fn = _aot_call(parts, prepared, served=False, gm=gm, cold=cold, run=run)
+    return Compiled(fn, "cold", cold.hooks)
+
+
+def _aot_call(
+    parts: Pipeline,
+    prepared: Prepared,
+    *,
+    served: bool,
+    gm: GraphModule | None = None,
+    cold: _Cold | None = None,
+    run: CacheRun | None = None,
+) -> Callable[..., Any]:
+    """AOTAutograd on the graph: with loom's compilers (cold), or serving the stored
+    result its cache slot holds (``served``: the compilers must not run)."""
+    snapshot = prepared.snapshot
+    options, record, example_inputs = snapshot.options, snapshot.record, snapshot.example_inputs
+    inductor = options.codegen == "inductor"
+    gm = snapshot.gm if gm is None else gm
+    if served:
+        compilers = _refusing_compilers()
+    else:
+        assert cold is not None
+        if inductor:
+            with record.timed("inductor.pre_grad", owner="torch"):
+                gm = compat.inductor_pre_grad_passes(gm, example_inputs)
+        compilers = _ColdCompilers(parts, prepared, cold, run, gm).as_kwargs()
+    backend = compat.aot_autograd(
+        **compilers,
+        # NOTE: a served result was traced already: its decompositions are not needed.
+        decompositions=compat.inductor_decompositions() if inductor and not served else {},
+        keep_inference_input_mutations=True,
+    )
+    detail = "served from loom's cache" if served else "trace, partition and forward codegen"
+    try:
+        with (
+            record.timed("aot", detail, owner="torch"),
+            compat.codegen_context(example_inputs),
+            compat.inductor_config.patch(max_autotune=options.max_autotune),
+        ):
+            return backend(gm, example_inputs)
+    except (LoomRefusal, CacheNotServed):
+        raise
+    except compat.CONTROL_FLOW_EXCEPTIONS:
+        raise
+    except Exception as err:  # AOTAutograd or codegen could not handle the graph
+        error = cudagraph_error(err)
+        if error is not None:  # cudagraph_or_error: a request to fail, not to fall back
+            raise error from None
+        if options.strict:
+            raise
+        raise LoomRefusal(
+            Unsupported(
+                RefusalKind.AOT_FAILED,
+                _user_frame(gm),
+                f"{type(err).__name__}: {err}",
+                "run with TORCHLOOM_LOG=debug to see the graphs; strict=True raises here",
+            )
+        ) from err
+
+
+def _refusing_compilers() -> dict[str, Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a graph served from loom's cache compiles nothing")
+
+    return {
+        "fw_compiler": refuse,
+        "bw_compiler": refuse,
+        "inference_compiler": refuse,
+        "partition_fn": refuse,
+    }
+
+
+class _ColdCompilers:
+    """AOTAutograd's partition step and per-graph compilers for one cold compile:
+    loom's passes on each aten graph, then the codegen choice."""
+
+    def __init__(
+        self,
+        parts: Pipeline,
+        prepared: Prepared,
+        cold: _Cold,
+        run: CacheRun | None,
+        gm: GraphModule,
+    ) -> None:
+        self.parts, self.prepared, self.cold, self.run = parts, prepared, cold, run
+        self.snapshot = prepared.snapshot
+        self.num_dynamo_inputs = len(self.snapshot.example_inputs)
+        self.num_orig_outputs = compat.num_model_outputs(gm)
+        self.inductor_state: compat.InductorCompileState | None = None
+        if self.snapshot.options.codegen == "inductor":
+            # Inductor's own set-up: every Inductor compile pays it, loom or not.
+            with self.snapshot.record.timed("inductor.setup", owner="torch"):
+                self.inductor_state = compat.InductorCompileState()
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return {
+            "fw_compiler": functools.partial(self.compile, GraphKind.FORWARD),
+            "bw_compiler": functools.partial(self.compile, GraphKind.BACKWARD),
+            "inference_compiler": functools.partial(self.compile, GraphKind.INFERENCE),
+            "partition_fn": self.partition,
+        }
+
+    def partition(self, joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        """AOTAutograd's partition step, then the saved-tensor hooks placed."""
+        record = self.snapshot.record
+        if graphs_log.isEnabledFor(logging.DEBUG):  # nothing runs the joint graph's code
+            with record.timed("report.graphs"):
+                _show(record, "joint", joint)
+        with record.timed("partition", owner="torch"):
+            if self.inductor_state is not None:
+                fw, bw = compat.inductor_partition(joint, joint_inputs, **kwargs)
+            else:
+                fw, bw = compat.eager_partition(joint, joint_inputs, **kwargs)
+        with record.timed("hooks.place"):
+            self.cold.hooks = place_hooks(
+                self.snapshot, self.prepared.hooks, fw, bw, self.parts.place_saved_tensor_hooks
+            )
+        for partition_pass in self.parts.partition_passes:
+            fw, bw = partition_pass(fw, bw)
+        return fw, bw
+
+    def compile(self, kind: GraphKind, g: GraphModule, inputs: Sequence[Any]) -> Any:
+        """One aten graph: loom's passes, then codegen (Inductor's wrappers around it)."""
+        snapshot = self.snapshot
+        record, options = snapshot.record, snapshot.options
+        with record.timed("hooks.inline"):
+            g = inline_hook_graphs(g)
+        with record.timed("resize.passes"):
+            g = resize_passes(record, options, g, kind)
+        with record.timed("grad_hooks.inline"):
+            g = inline_grad_hooks(record, options, g, kind)
+        for graph_pass in self.parts.graph_passes:
+            g = graph_pass(kind, g)
+        with record.timed("report.graphs"):
+            _show(record, kind.value, g)
+        with record.timed(f"compile.{kind.value}", options.codegen, owner="torch"):
+            state = self.inductor_state
+            if state is None:
+                static = compat.static_input_indices(
+                    kind is GraphKind.BACKWARD, g, inputs, self.num_dynamo_inputs
+                )
+                return self.finish(kind, g, inputs, static, self.parts.eager_codegen)
+
+            def inner(g2: GraphModule, inputs2: Sequence[Any], **kwargs: Any) -> Any:
+                def codegen(
+                    g3: GraphModule, inputs3: Sequence[Any], static_idxs: Sequence[int]
+                ) -> Callable[..., Any]:
+                    kw = {**kwargs, "static_input_idxs": list(static_idxs)}
+                    return compat.inductor_compile_inner(g3, inputs3, **kw)  # type: ignore[no-any-return]
+
+                return self.finish(kind, g2, inputs2, kwargs.get("static_input_idxs", ()), codegen)
+
+            if kind is GraphKind.BACKWARD:
+                return compat.inductor_compile_backward(state, g, inputs, inner_compile=inner)
+            return compat.inductor_compile_forward(
+                state,
+                g,
+                inputs,
+                num_orig_model_outputs=self.num_orig_outputs,
+                num_example_inputs=self.num_dynamo_inputs,
+                is_inference=kind is GraphKind.INFERENCE,
+                inner_compile=inner,
+            )
+
+    def finish(
+        self,
+        kind: GraphKind,
+        g: GraphModule,
+        inputs: Sequence[Any],
+        static_idxs: Sequence[int],
+        base: Codegen,
+    ) -> Callable[..., Any]:
+        """Choose codegen: CUDA-graph segments, the cache's eager ``OutputCode``, or
+        ``base`` on the whole graph; then the compiled graph's wrappers."""
+        snapshot = self.snapshot
+        record, options = snapshot.record, snapshot.options
+
+        def timed_codegen(
+            g3: GraphModule, inputs3: Sequence[Any], static3: Sequence[int]
+        ) -> Callable[..., Any]:
+            with record.timed(f"codegen.{kind.value}", options.codegen, owner="torch"):
+                return base(g3, inputs3, static3)
+
+        codegen = in_placement_order(timed_codegen, self.cold.hooks, kind, snapshot.graph_id)
+        fn: Callable[..., Any] | None = None
+        if options.cudagraphs:
+            with record.timed("cudagraph.segments"):
+                fn = compile_segmented(
+                    self.prepared.cudagraph,
+                    options,
+                    self.parts.plan_graph,
+                    g,
+                    kind,
+                    inputs,
+                    static_idxs,
+                    codegen,
+                )
+        if fn is None and self.run is not None and options.codegen == "eager":
+            fn = EagerOutputCode(g)  # serializable, so eager compilations cache too
+        if fn is None:
+            fn = codegen(g, inputs, static_idxs)
+        fn = with_unpack_effects(fn, self.prepared.hooks, self.cold.hooks, kind)
+        for wrap in self.parts.compiled_wrappers:
+            fn = wrap(kind, fn)
+        if self.run is not None:
+            self.run.compiled.add(kind)
+            if kind is GraphKind.BACKWARD:
+                backward_compiled(record, self.run)
+        return fn
+
+
+DEFAULT_PIPELINE = Pipeline()
+
+
+# --- helpers --------------------------------------------------------------------------------
 
 
 def input_metadata(example_inputs: Sequence[Any]) -> list[InputMeta]:
@@ -71,222 +593,28 @@ def _has_tensor_work(gm: GraphModule) -> bool:
     return any(n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes)
 
 
-def _show(ctx: GraphContext, kind: str, gm: GraphModule) -> None:
+def _show(record: GraphRecordBuilder, kind: str, gm: GraphModule) -> None:
     """Keep the graph's code in the report; with debug logging on, annotated with
     every value's shape, stride and device (rendering that costs more than a small
     graph's codegen, so it is not done otherwise)."""
     if graphs_log.isEnabledFor(logging.DEBUG):
         code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
-        graphs_log.debug("graph %d, %s:\n%s", ctx.graph_id, kind, code)
+        graphs_log.debug("graph %d, %s:\n%s", record.graph_id, kind, code)
     else:
         code = gm.code
-    ctx.record.add_graph(kind, code)
+    record.add_graph(kind, code)
 
 
-def _eager_fallback(ctx: GraphContext, gm: GraphModule, reason: Unsupported) -> Callable[..., Any]:
-    ctx.record.fallback = str(reason)
-    ctx.record.add_entry("pipeline", "fallback", str(reason), kind_=reason.kind.value)
+def _eager_fallback(
+    record: GraphRecordBuilder, gm: GraphModule, reason: Unsupported
+) -> Callable[..., Any]:
+    record.refuse(reason)
+    record.add_entry("pipeline", "fallback", str(reason), kind_=reason.kind.value)
     if reason.kind is RefusalKind.NO_TENSOR_WORK:
-        log.debug("graph %d runs eagerly: %s", ctx.graph_id, reason)
+        log.debug("graph %d runs eagerly: %s", record.graph_id, reason)
     else:
-        log.warning("graph %d falls back to eager: %s", ctx.graph_id, reason)
+        log.warning("graph %d falls back to eager: %s", record.graph_id, reason)
     return gm.forward
-
-
-def compile_graph(
-    gm: GraphModule, example_inputs: Sequence[Any], options: LoomOptions
-) -> Callable[..., Any]:
-    """Compile one Dynamo graph with the ``loom`` pipeline."""
-    record = new_record(
-        gm.meta.get("dynamo_compile_id", "graph").__str__(),
-        input_metadata(example_inputs),
-        options.as_dict(),
-    )
-    ctx = GraphContext(options, record, gm, example_inputs)
-    with _timed(ctx, "report.graphs"):
-        _show(ctx, "dynamo", gm)
-    if not _has_tensor_work(gm):
-        return _eager_fallback(
-            ctx, gm, Unsupported(RefusalKind.NO_TENSOR_WORK, "", "the graph has no tensor work")
-        )
-
-    def cold() -> Callable[..., Any]:
-        with _timed(ctx, "pipeline"):
-            return _compile_cold(ctx, gm, example_inputs)
-
-    compile_fn: Callable[[], Callable[..., Any]] = cold
-    for stage in reversed(STAGES):
-        compile_fn = functools.partial(
-            _timed_call,
-            ctx,
-            f"{stage.name}.wrap_backend",
-            stage.wrap_backend,
-            ctx,
-            example_inputs,
-            compile_fn,
-        )
-    try:
-        return compile_fn()
-    except compat.CONTROL_FLOW_EXCEPTIONS as signal:
-        # Not a refusal: Dynamo restarts (or skips) the frame and calls the backend again.
-        ctx.record.add_entry(
-            "pipeline", "restart", f"Dynamo asked to {type(signal).__name__}; not compiled here"
-        )
-        log.debug("graph %d: %s propagates to Dynamo", ctx.graph_id, type(signal).__name__)
-        raise
-    except LoomRefusal as refusal:
-        if options.strict:
-            raise
-        return _eager_fallback(ctx, gm, refusal.reason)
-
-
-def _compile_cold(
-    ctx: GraphContext, gm: GraphModule, example_inputs: Sequence[Any]
-) -> Callable[..., Any]:
-    options = ctx.options
-    for stage in STAGES:
-        with _timed(ctx, f"{stage.name}.before_aot"):
-            gm = stage.before_aot(ctx, gm, example_inputs)
-    inductor = options.codegen == "inductor"
-    num_dynamo_inputs = len(example_inputs)
-    num_orig_outputs = compat.num_model_outputs(gm)
-    inductor_state: compat.InductorCompileState | None = None
-    decompositions: Any = {}
-    if inductor:
-        # Inductor's own import and set-up: every Inductor compile pays it, loom or not.
-        with _timed(ctx, "inductor.setup", "import and configure Inductor", owner="torch"):
-            inductor_state = compat.InductorCompileState()
-            decompositions = compat.inductor_decompositions()
-
-    if inductor:
-        with _timed(ctx, "inductor.pre_grad", owner="torch"):
-            gm = compat.inductor_pre_grad_passes(gm, example_inputs)
-
-    def partition(joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        if graphs_log.isEnabledFor(logging.DEBUG):  # nothing runs the joint graph's code
-            with _timed(ctx, "report.graphs"):
-                _show(ctx, "joint", joint)
-        with _timed(ctx, "partition", owner="torch"):
-            if inductor:
-                fw, bw = compat.inductor_partition(joint, joint_inputs, **kwargs)
-            else:
-                fw, bw = compat.eager_partition(joint, joint_inputs, **kwargs)
-        for stage in STAGES:
-            with _timed(ctx, f"{stage.name}.after_partition"):
-                fw, bw = stage.after_partition(ctx, fw, bw)
-        return fw, bw
-
-    def finish(
-        kind: GraphKind,
-        g: GraphModule,
-        inputs: Sequence[Any],
-        static_idxs: Sequence[int],
-        codegen: Codegen,
-    ) -> Callable[..., Any]:
-        base = codegen
-
-        def timed_codegen(
-            g3: GraphModule, inputs3: Sequence[Any], static3: Sequence[int]
-        ) -> Callable[..., Any]:
-            with _timed(ctx, f"codegen.{kind.value}", options.codegen, owner="torch"):
-                return base(g3, inputs3, static3)
-
-        codegen = timed_codegen
-        for stage in STAGES:
-            codegen = stage.wrap_codegen(ctx, g, kind, codegen)
-        fn: Callable[..., Any] | None = None
-        for stage in STAGES:
-            fn = _timed_call(
-                ctx,
-                f"{stage.name}.compile",
-                stage.compile,
-                ctx,
-                g,
-                kind,
-                inputs,
-                static_idxs,
-                codegen,
-            )
-            if fn is not None:
-                break
-        if fn is None:
-            fn = codegen(g, inputs, static_idxs)
-        for stage in STAGES:
-            fn = _timed_call(
-                ctx, f"{stage.name}.wrap_compiled", stage.wrap_compiled, ctx, fn, g, kind, inputs
-            )
-        return fn
-
-    def compiler(kind: GraphKind, g: GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-        for stage in STAGES:
-            g = _timed_call(
-                ctx, f"{stage.name}.before_codegen", stage.before_codegen, ctx, g, kind, inputs
-            )
-        with _timed(ctx, "report.graphs"):
-            _show(ctx, kind.value, g)
-        with _timed(ctx, f"compile.{kind.value}", options.codegen, owner="torch"):
-            if inductor_state is None:
-                static = compat.static_input_indices(
-                    kind is GraphKind.BACKWARD, g, inputs, num_dynamo_inputs
-                )
-                return finish(kind, g, inputs, static, _eager_codegen)
-
-            def inner(g2: GraphModule, inputs2: Sequence[Any], **kwargs: Any) -> Any:
-                def codegen(
-                    g3: GraphModule, inputs3: Sequence[Any], static_idxs: Sequence[int]
-                ) -> Callable[..., Any]:
-                    kw = {**kwargs, "static_input_idxs": list(static_idxs)}
-                    return compat.inductor_compile_inner(g3, inputs3, **kw)  # type: ignore[no-any-return]
-
-                return finish(kind, g2, inputs2, kwargs.get("static_input_idxs", ()), codegen)
-
-            if kind is GraphKind.BACKWARD:
-                return compat.inductor_compile_backward(  # type: ignore[no-any-return]
-                    inductor_state, g, inputs, inner_compile=inner
-                )
-            return compat.inductor_compile_forward(  # type: ignore[no-any-return]
-                inductor_state,
-                g,
-                inputs,
-                num_orig_model_outputs=num_orig_outputs,
-                num_example_inputs=num_dynamo_inputs,
-                is_inference=kind is GraphKind.INFERENCE,
-                inner_compile=inner,
-            )
-
-    backend = compat.aot_autograd(
-        fw_compiler=functools.partial(compiler, GraphKind.FORWARD),
-        bw_compiler=functools.partial(compiler, GraphKind.BACKWARD),
-        inference_compiler=functools.partial(compiler, GraphKind.INFERENCE),
-        partition_fn=partition,
-        decompositions=decompositions,
-        keep_inference_input_mutations=True,
-    )
-    try:
-        with (
-            _timed(ctx, "aot", "trace, partition and forward codegen", owner="torch"),
-            compat.codegen_context(example_inputs),
-            compat.inductor_config.patch(max_autotune=options.max_autotune),
-        ):
-            compiled = backend(gm, example_inputs)
-    except LoomRefusal:
-        raise
-    except compat.CONTROL_FLOW_EXCEPTIONS:
-        raise
-    except Exception as err:  # AOTAutograd or codegen could not handle the graph
-        if options.strict:
-            raise
-        raise LoomRefusal(
-            Unsupported(
-                RefusalKind.AOT_FAILED,
-                _user_frame(gm),
-                f"{type(err).__name__}: {err}",
-                "run with TORCHLOOM_LOG=debug to see the graphs; strict=True raises here",
-            )
-        ) from err
-    for stage in STAGES:
-        compiled = _timed_call(ctx, f"{stage.name}.wrap_runtime", stage.wrap_runtime, ctx, compiled)
-    return compiled
 
 
 def _user_frame(gm: GraphModule) -> str:
@@ -300,9 +628,3 @@ def _user_frame(gm: GraphModule) -> str:
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-
-
-def _eager_codegen(
-    gm: GraphModule, example_inputs: Sequence[Any], static_input_idxs: Sequence[int]
-) -> Callable[..., Any]:
-    return compat.boxed_graph_callable(gm)

@@ -1,9 +1,10 @@
 """What torchloom did with every graph it compiled since the last reset.
 
 Each Dynamo graph handed to the backend gets one :class:`GraphRecord`: an id,
-its inputs' metadata, the stages it went through with their durations, and
-entries that stages add (hooks inlined or refused, resize passes, cache
-hits and misses, CUDA-graph segments). Records are built by a mutable
+its inputs' metadata, the pipeline's timed steps with their durations, and
+entries that steps add (hooks inlined or refused, resize passes, cache
+hits and misses, CUDA-graph segments), and the typed refusal of a graph that
+runs eagerly. Text is rendered only by :meth:`Report.format`. Records are built by a mutable
 :class:`GraphRecordBuilder` while compilation (and the lazily compiled
 backward) runs; :func:`report` returns frozen snapshots.
 """
@@ -17,6 +18,8 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
+
+from torchloom._errors import Unsupported
 
 __all__ = [
     "GraphRecord",
@@ -91,11 +94,11 @@ class GraphRecord:
     options: tuple[tuple[str, Any], ...]
     stages: tuple[StageRecord, ...]
     entries: tuple[ReportEntry, ...]
+    #: Why the graph runs eagerly, as text (``str(refusal)``), or ``None``.
     fallback: str | None
     graphs: tuple[tuple[str, str], ...]  # (kind, readable code) of each graph compiled
-
-    def entries_for(self, area: str) -> tuple[ReportEntry, ...]:
-        return tuple(e for e in self.entries if e.area == area)
+    #: The refusal behind ``fallback``, as typed data (its ``cause``: the package's own).
+    refusal: Unsupported | None = None
 
     def stage(self, name: str) -> StageRecord | None:
         return next((s for s in self.stages if s.name == name), None)
@@ -167,9 +170,17 @@ class GraphRecordBuilder:
         self._stages: list[StageRecord] = []
         self._entries: list[ReportEntry] = []
         self._graphs: list[tuple[str, str]] = []
-        self.fallback: str | None = None
+        self.refusal: Unsupported | None = None
         self._lock = threading.Lock()
         self._open: list[float] = []  # time spent in sections nested in each open one
+
+    @property
+    def fallback(self) -> str | None:
+        return None if self.refusal is None else str(self.refusal)
+
+    def refuse(self, reason: Unsupported) -> None:
+        """The graph runs eagerly for ``reason``."""
+        self.refusal = reason
 
     def add_stage(self, name: str, seconds: float, detail: str = "", owner: Owner = "loom") -> None:
         with self._lock:
@@ -208,6 +219,7 @@ class GraphRecordBuilder:
                 tuple(self._entries),
                 self.fallback,
                 tuple(self._graphs),
+                self.refusal,
             )
 
 

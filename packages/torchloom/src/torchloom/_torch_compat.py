@@ -1,14 +1,15 @@
 """The umbrella's only door to private torch APIs (pinned: torch 2.11).
 
 Everything below ``torch._*`` that the pipeline uses is imported or wrapped
-here, so a torch upgrade is a diff of this file. Sections are grouped by the
-stage that needs them.
+here, so a torch upgrade is a diff of this file: version-dependent names and
+small adapters, no behaviour (the cache-slot routing lives in ``_aot_cache``,
+the ``OutputCode`` subclasses in ``_output_code``). Sections are grouped by the
+step that needs them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -29,18 +30,23 @@ from torch.fx import GraphModule
 
 __all__ = [
     "CONTROL_FLOW_EXCEPTIONS",
-    "AotCacheSlot",
     "BoxedBool",
-    "EagerOutputCode",
+    "OutputCode",
     "aot_autograd",
-    "aot_cache_slot",
+    "aot_cache_info",
+    "autograd_cache",
+    "autograd_cache_forced",
+    "backed_symints",
     "backend_registered",
+    "backward_lowering",
     "boxed_graph_callable",
     "caches_force_disabled",
     "codegen_context",
     "dynamo_frame_code",
     "dynamo_reset",
     "eager_partition",
+    "entry_guards_hold",
+    "graph_output_strides",
     "inductor_compile_backward",
     "inductor_compile_forward",
     "inductor_compile_inner",
@@ -48,12 +54,13 @@ __all__ = [
     "inductor_decompositions",
     "inductor_partition",
     "inductor_pre_grad_passes",
-    "lazy_backward_lowering",
     "mark_boxed",
     "num_model_outputs",
     "register_backend",
-    "route_lazy_backward_save",
+    "reload_inductor_segment",
+    "segment_codegen_strides",
     "static_input_indices",
+    "tracing_output_strides",
 ]
 
 #: What Dynamo and AOTAutograd raise to steer a compilation rather than to
@@ -256,197 +263,47 @@ def static_input_indices(
     return list(context.fw_metadata.static_input_indices)
 
 
-# --- loom cache: AOTAutograd's result slots ------------------------------------------------
-#
-# PyTorch's AOTAutogradCache only serves Inductor's own compiler. The cache stage reuses its
-# machinery for loom's compilers: during one compilation, AOTAutograd's try_load / make_entry /
-# save slots are routed to an AotCacheSlot, so a miss captures the bundled result (runtime
-# metadata, wrappers, serialized compiled forward/backward) and a hit rebuilds the runtime
-# from it without tracing, partitioning or codegen. Nothing reaches PyTorch's own cache.
+# --- loom cache: AOTAutograd's cache slots (used by torchloom._aot_cache) ----------------
 
 
-@dataclasses.dataclass
-class AotCacheSlot:
-    """One compilation's exchange with AOTAutograd's cache slots.
+def autograd_cache() -> Any:
+    """``torch._functorch._aot_autograd.autograd_cache.AOTAutogradCache`` (imported on use)."""
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache as cache
 
-    ``load``: a pickled result to serve (a hit), or ``None``. After the
-    compilation: ``loaded`` says whether it was served; ``load_error`` why not;
-    ``saved`` holds the pickled result of a cold compilation, ``save_error`` why
-    there is none; ``save_attempted`` is false while AOTAutograd has not tried to
-    save yet (its backward is compiled lazily, at the first backward).
-    """
-
-    key: str
-    load: bytes | None = None
-    loaded: bool = False
-    load_error: str | None = None
-    saved: bytes | None = None
-    save_error: str | None = None
-    save_attempted: bool = False
+    return cache
 
 
-class EagerOutputCode(_OutputCode):
-    """A boxed eager graph as an Inductor ``OutputCode``, so AOTAutograd can bundle
-    an eager-codegen result like an Inductor one. It runs exactly as
-    :func:`boxed_graph_callable`; pickling stores a copy of its graph with the
-    standard code generator and no metadata."""
-
-    def __init__(self, gm: GraphModule) -> None:
-        super().__init__()
-        # An instance attribute: wrappers (functools.wraps) copy __dict__ only.
-        self._boxed_call = True
-        self.gm = gm
-        self._fn: Callable[[list[Any]], Any] | None = boxed_graph_callable(gm)
-
-    def __call__(self, inputs: Sequence[Any]) -> Any:
-        if self._fn is None:
-            self._fn = boxed_graph_callable(self.gm)
-        return self._fn(inputs)  # type: ignore[arg-type]
-
-    def prepare_for_serialization(self) -> None:
-        pass  # __getstate__ drops the callable
-
-    def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
-        pass
-
-    def set_triton_bundle(self, triton_bundle: Any) -> None:
-        pass
-
-    def __getstate__(self) -> dict[str, Any]:
-        graph = torch.fx.Graph()
-        graph.output(graph.graph_copy(self.gm.graph, {}))
-        for node in graph.nodes:
-            node.meta = {}
-        return {**self.__dict__, "_fn": None, "gm": GraphModule(self.gm, graph)}
+def backed_symints(args: Sequence[Any]) -> list[Any]:
+    """The backed SymInts among AOTAutograd's flat arguments (what its guards read)."""
+    return autograd_cache()._filter_backed_symints(args)  # type: ignore[no-any-return]
 
 
-@contextlib.contextmanager
-def aot_cache_slot(slot: AotCacheSlot) -> Iterator[None]:
-    """Route AOTAutograd's cache slots to ``slot`` for the compilation inside.
-
-    The backward is compiled now, so that the entry is complete when the
-    compilation returns, unless :func:`lazy_backward_lowering` says otherwise
-    inside; then see :func:`route_lazy_backward_save`.
-    """
-    with (
-        _routed_to(slot, serve=True),
-        functorch_config.patch(force_non_lazy_backward_lowering=True),
-    ):
-        yield
-
-
-def lazy_backward_lowering() -> contextlib.AbstractContextManager[None]:
-    """Inside :func:`aot_cache_slot`: compile the backward at its first call after all
-    (AOTAutograd then makes and saves the entry right after that compile)."""
-    return functorch_config.patch(force_non_lazy_backward_lowering=False)  # type: ignore[no-any-return]
-
-
-def route_lazy_backward_save(slot: AotCacheSlot, saved: Callable[[], None]) -> Callable[[], None]:
-    """Route the entry AOTAutograd saves after a lazily compiled backward to ``slot``.
-
-    Call it from the backward compiler (AOTAutograd makes and saves the entry
-    right after it returns); ``saved()`` runs once the slot holds the result (or
-    ``save_error``). Returns a function that undoes the routing if no save came.
-    """
-    while _armed:  # a backward compile that raised after arming never saved
-        _armed[-1]()
-    stack = contextlib.ExitStack()
-
-    def finish() -> None:
-        if finish in _armed:
-            _armed.remove(finish)
-            stack.close()
-
-    def on_save() -> None:
-        finish()
-        saved()
-
-    stack.enter_context(_routed_to(slot, serve=False, on_save=on_save))
-    _armed.append(finish)
-    return finish
-
-
-_armed: list[Callable[[], None]] = []
-
-
-@contextlib.contextmanager
-def _routed_to(
-    slot: AotCacheSlot, *, serve: bool, on_save: Callable[[], None] | None = None
-) -> Iterator[None]:
-    """AOTAutograd's try_load (with ``serve``), make_entry and save slots, routed to ``slot``."""
-    import pickle
-    import time
-
-    from torch._functorch._aot_autograd import autograd_cache as ac
-    from torch._functorch._aot_autograd.schemas import AOTAutogradCacheInfo
+def entry_guards_hold(guards: str, symints: Sequence[Any]) -> bool:
+    """Whether a stored AOTAutograd entry's shape guards hold for ``symints``."""
     from torch.fx.experimental.symbolic_shapes import size_hint
 
-    cache = ac.AOTAutogradCache
-    original_make_entry = cache.make_entry
+    return bool(autograd_cache().evaluate_guards(guards, [size_hint(s) for s in symints]))
 
-    def try_load(
-        mod: Any,
-        args: list[Any],
-        aot_config: Any,
-        cudagraphs: Any,
-        boxed_forward_device_index: Any,
-        local: bool,
-        remote: bool,
-    ) -> Any:
-        symints = cache._filter_backed_symints(args)
-        if slot.load is not None:
-            try:
-                entry = pickle.loads(slot.load)
-                guards = entry.guards_expr
-                if guards and not cache.evaluate_guards(guards, [size_hint(s) for s in symints]):
-                    raise LookupError(f"shape guards of the stored entry fail: {guards}")
-                fx_config = {
-                    "cudagraphs": cudagraphs,
-                    "boxed_forward_device_index": boxed_forward_device_index,
-                }
-                compiled = entry.wrap_post_compile(args, aot_config, fx_config)
-                slot.loaded = True
-                return compiled
-            except CONTROL_FLOW_EXCEPTIONS:
-                raise
-            except Exception as err:  # a bad entry is a miss, never a failed compile
-                slot.load_error = f"{type(err).__name__}: {err}"
-        aot_config.cache_info = AOTAutogradCacheInfo(slot.key, time.time_ns(), symints)
-        return None
 
-    def make_entry(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return original_make_entry(*args, **kwargs)
-        except Exception as err:
-            slot.save_error = f"the compiled graphs are not serializable: {err}"
-            return None
+def aot_cache_info(key: str, symints: Sequence[Any]) -> Any:
+    """The ``AOTAutogradCacheInfo`` that makes AOTAutograd save its entry under ``key``."""
+    import time
 
-    def save(key: str, entry: Any, remote: bool) -> None:
-        if key != slot.key:
-            return
-        slot.save_attempted = True
-        try:
-            if entry is not None:
-                entry.pre_save()
-                slot.saved = pickle.dumps(entry)
-        except Exception as err:
-            slot.save_error = f"{type(err).__name__}: {err}"
-        if on_save is not None:
-            on_save()
+    from torch._functorch._aot_autograd.schemas import AOTAutogradCacheInfo
 
-    saved_attrs = {name: cache.__dict__[name] for name in ("try_load", "make_entry", "save")}
-    try:
-        if serve:
-            cache.try_load = staticmethod(try_load)  # type: ignore[method-assign,assignment]
-        cache.make_entry = staticmethod(make_entry)  # type: ignore[method-assign,assignment]
-        cache.save = staticmethod(save)  # type: ignore[method-assign,assignment]
-        with functorch_config.patch(
-            force_autograd_cache=True, bundled_autograd_cache=True, enable_autograd_cache=True
-        ):
-            yield
-    finally:
-        for name, value in saved_attrs.items():
-            setattr(cache, name, value)
+    return AOTAutogradCacheInfo(key, time.time_ns(), list(symints))
+
+
+def autograd_cache_forced() -> contextlib.AbstractContextManager[None]:
+    """AOTAutograd's cache on (bundled), whatever the user's settings: the slots are loom's."""
+    return functorch_config.patch(  # type: ignore[no-any-return]
+        force_autograd_cache=True, bundled_autograd_cache=True, enable_autograd_cache=True
+    )
+
+
+def backward_lowering(*, lazy: bool) -> contextlib.AbstractContextManager[None]:
+    """Compile the backward at its first call (``lazy``) or with the forward."""
+    return functorch_config.patch(force_non_lazy_backward_lowering=not lazy)  # type: ignore[no-any-return]
 
 
 def caches_force_disabled() -> bool:
@@ -502,88 +359,32 @@ def segment_codegen_strides(gm: GraphModule) -> Iterator[Callable[[GraphModule],
         strides.extend(graph_output_strides(gm))
 
 
-class SegmentedOutputCode(_OutputCode):
-    """A graph compiled as separately generated segments, run by a runtime that
-    ``factory(self)`` builds (loom's CUDA-graph runtime), as an Inductor
-    ``OutputCode`` so that AOTAutograd can bundle it into loom's cache.
+#: Inductor's compiled-graph base class: AOTAutograd bundles its subclasses into a cache
+#: entry (loom's ``EagerOutputCode`` and ``SegmentedOutputCode``, in torchloom._output_code).
+OutputCode = _OutputCode
 
-    Pickling keeps the plan (JSON), the segments' own ``OutputCode`` objects and
-    the graph's constant outputs; after loading, :meth:`post_compile` reloads
-    each Inductor segment as Inductor's cache would and rebuilds the runtime.
-    """
 
-    def __init__(
-        self,
-        plan_json: str,
-        segments: list[Any],
-        output_constants: tuple[Any, ...],
-        factory: Callable[[SegmentedOutputCode], Callable[[list[Any]], Any]],
-        *,
-        is_backward: bool,
-        is_inference: bool,
-        runtime: Callable[[list[Any]], Any] | None = None,
-        pool: Any = None,
-    ) -> None:
-        super().__init__()
-        self._boxed_call = True
-        self.plan_json = plan_json
-        self.segments = segments
-        self.output_constants = output_constants
-        self.factory = factory
-        self.is_backward = is_backward
-        self.is_inference = is_inference
-        self.runtime = runtime
-        self.pool = pool
-        self.output_strides: list[Any] = []
+def tracing_output_strides() -> list[Any] | None:
+    """``TracingContext.output_strides`` of the compilation in progress, if any."""
+    ctx = TracingContext.try_get()
+    return ctx.output_strides if ctx is not None else None
 
-    def __call__(self, inputs: Sequence[Any]) -> Any:
-        if self.runtime is None:
-            self.runtime = self.factory(self)
-        return self.runtime(inputs)  # type: ignore[arg-type]
 
-    def prepare_for_serialization(self) -> None:
-        from copy import copy
+def reload_inductor_segment(
+    seg: Any, example_inputs: Any, constants: Any, graph_kwargs: dict[str, Any]
+) -> Any:
+    """A cached Inductor segment made runnable again as Inductor's own cache does
+    (``None`` if it cannot be); any other segment is returned as it is."""
+    from torch._inductor.codecache import FxGraphCache
+    from torch._inductor.output_code import CompiledFxGraph
 
-        self.segments = [copy(s) for s in self.segments]
-        for s in self.segments:
-            if isinstance(s, _OutputCode):
-                s.prepare_for_serialization()
-
-    def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
-        if self.runtime is not None:
-            return  # a cold compile: the segments ran their own post-compile steps
-        from torch._inductor.codecache import FxGraphCache
-        from torch._inductor.output_code import CompiledFxGraph
-
-        ctx = TracingContext.try_get()
-        strides = ctx.output_strides if ctx is not None else None
-        kwargs = {
-            **dict(graph_kwargs or {}),
-            "cudagraphs": BoxedBool(False),
-            "is_backward": self.is_backward,
-            "is_inference": self.is_inference,
-        }
-        loaded = []
-        for seg in self.segments:
-            if isinstance(seg, CompiledFxGraph):
-                graph, _ = FxGraphCache.cache_hit_post_compile(seg, {}, constants)
-                if graph is None:
-                    raise RuntimeError("could not reload a cached CUDA-graph segment")
-                if strides is not None:
-                    strides.clear()
-                graph.post_compile(example_inputs, constants, kwargs)  # type: ignore[arg-type]
-                seg = graph
-            loaded.append(seg)
-        self.segments = loaded
-        if strides is not None:
-            strides.clear()
-            strides.extend(self.output_strides)
-        # Now, inside the compilation: the factory joins the runtime to the graph
-        # being compiled (its memory pool and report).
-        self.runtime = self.factory(self)
-
-    def set_triton_bundle(self, triton_bundle: Any) -> None:
-        pass
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "runtime": None, "pool": None}
+    if not isinstance(seg, CompiledFxGraph):
+        return seg
+    graph, _ = FxGraphCache.cache_hit_post_compile(seg, {}, constants)
+    if graph is None:
+        return None
+    strides = tracing_output_strides()
+    if strides is not None:
+        strides.clear()
+    graph.post_compile(example_inputs, constants, graph_kwargs)  # type: ignore[arg-type]
+    return graph

@@ -300,20 +300,16 @@ def test_key_changes_when_loom_source_changes(
 ) -> None:
     """An edited pass in an editable install (same version) must miss, never reuse
     what the old code made: the source hash of loom's packages is in the key."""
-    from torchloom import _stage_cache
+    from torchloom import _cache
 
     pkg = tmp_path / "src" / "loom_fake_pass"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("def rewrite(g):\n    return g\n")
     monkeypatch.syspath_prepend(str(tmp_path / "src"))
-    monkeypatch.setattr(_stage_cache, "_LOOM_MODULES", ("loom_fake_pass",))
-    _stage_cache.loom_source_hash.cache_clear()
-    try:
-        before = _stage_cache._versions()
-        (pkg / "__init__.py").write_text("def rewrite(g):\n    return g.clone()\n")
-        _stage_cache.loom_source_hash.cache_clear()
-        after = _stage_cache._versions()
-    finally:
-        _stage_cache.loom_source_hash.cache_clear()
+    modules = ("loom_fake_pass",)
+    before = _cache._versions(modules=modules)
+    (pkg / "__init__.py").write_text("def rewrite(g):\n    return g.clone()\n")
+    _cache.loom_source_hash.cache_clear()  # read once per process: a new process reads again
+    after = _cache._versions(modules=modules)
     assert "source=" in before
     assert before != after

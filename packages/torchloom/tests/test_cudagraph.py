@@ -13,23 +13,23 @@ import torch
 
 import loom_cudagraph
 import torchloom
-from torchloom._stage_cudagraph import CudagraphStage
-from torchloom._stages import STAGES
+from torchloom import Pipeline
 
 CG = {"codegen": "eager", "cudagraphs": True}
 
 
+def _host(capturer: loom_cudagraph.HostCapturer) -> Pipeline:
+    """A pipeline that captures host graphs with ``capturer`` (CPU stands in for CUDA)."""
+    return Pipeline(capturer=capturer, cudagraph_device="cpu")
+
+
 @pytest.fixture
 def host_stage() -> Iterator[loom_cudagraph.HostCapturer]:
-    """Swap the stage for one that captures host graphs with HostCapturer."""
-    index = next(i for i, s in enumerate(STAGES) if isinstance(s, CudagraphStage))
-    original = STAGES[index]
+    """A fresh HostCapturer; tests compile with ``backend=_host(host_stage)``."""
     capturer = loom_cudagraph.HostCapturer()
-    STAGES[index] = CudagraphStage(capturer=capturer, device="cpu")
     torchloom.reset()
     loom_cudagraph.reset_skip_counts()
     yield capturer
-    STAGES[index] = original
     torchloom.reset()
 
 
@@ -48,7 +48,7 @@ def test_inference_replays_match_eager(host_stage: loom_cudagraph.HostCapturer) 
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.relu(x @ w) * 2
 
-    compiled = torch.compile(f, backend="loom", options=CG)
+    compiled = torch.compile(f, backend=_host(host_stage), options=CG)
     w = torch.randn(4, 4)
     for _ in range(5):
         x = torch.randn(2, 4)
@@ -73,7 +73,7 @@ def test_training_step_matches_eager_outputs_and_gradients(
     def step(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return m(x).sin().sum()
 
-    compiled = torch.compile(lambda x: step(model, x), backend="loom", options=CG)
+    compiled = torch.compile(lambda x: step(model, x), backend=_host(host_stage), options=CG)
     for _ in range(4):
         x = torch.randn(3, 4)
         loss = compiled(x)
@@ -98,7 +98,7 @@ def test_gradient_accumulation_over_several_forwards(
     lin = torch.nn.Linear(4, 4)
     ref = torch.nn.Linear(4, 4)
     ref.load_state_dict(lin.state_dict())
-    compiled = torch.compile(lambda x: lin(x).tanh().sum(), backend="loom", options=CG)
+    compiled = torch.compile(lambda x: lin(x).tanh().sum(), backend=_host(host_stage), options=CG)
     for _ in range(3):
         xs = [torch.randn(2, 4) for _ in range(3)]
         losses = [compiled(x) for x in xs]  # three forwards before any backward
@@ -112,7 +112,9 @@ def test_or_error_raises_naming_the_op(
     host_stage: loom_cudagraph.HostCapturer, sin_is_host_op: None
 ) -> None:
     compiled = torch.compile(
-        lambda x: (x + 1).sin() * 2, backend="loom", options={**CG, "cudagraph_or_error": True}
+        lambda x: (x + 1).sin() * 2,
+        backend=_host(host_stage),
+        options={**CG, "cudagraph_or_error": True},
     )
     with pytest.raises(Exception, match=r"aten\.sin\.default.*user_marked"):
         compiled(torch.randn(3))
@@ -122,7 +124,7 @@ def test_or_error_environment_variable(
     host_stage: loom_cudagraph.HostCapturer, sin_is_host_op: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TORCHLOOM_CUDAGRAPH_OR_ERROR", "1")
-    compiled = torch.compile(lambda x: (x + 1).sin() * 2, backend="loom", options=CG)
+    compiled = torch.compile(lambda x: (x + 1).sin() * 2, backend=_host(host_stage), options=CG)
     with pytest.raises(Exception, match=r"cudagraph_or_error"):
         compiled(torch.randn(3))
 
@@ -136,7 +138,9 @@ def test_options_map_reduce_overhead_to_cudagraphs() -> None:
 
 
 def test_without_cudagraphs_the_stage_does_nothing(host_stage: loom_cudagraph.HostCapturer) -> None:
-    compiled = torch.compile(lambda x: x * 2 + 1, backend="loom", options={"codegen": "eager"})
+    compiled = torch.compile(
+        lambda x: x * 2 + 1, backend=_host(host_stage), options={"codegen": "eager"}
+    )
     x = torch.randn(3)
     torch.testing.assert_close(compiled(x), x * 2 + 1)
     assert host_stage.captures == 0
@@ -154,7 +158,7 @@ def test_inductor_codegen_per_segment_matches_eager(
     ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     ref.load_state_dict(model.state_dict())
     compiled = torch.compile(
-        lambda x: model(x).sin().sum(), backend="loom", options={"cudagraphs": True}
+        lambda x: model(x).sin().sum(), backend=_host(host_stage), options={"cudagraphs": True}
     )
     for _ in range(3):
         x = torch.randn(3, 4)
@@ -182,7 +186,7 @@ def test_random_holding_patterns_never_corrupt_outputs_or_gradients(
     lin = torch.nn.Linear(4, 4)
     ref = torch.nn.Linear(4, 4)
     ref.load_state_dict(lin.state_dict())
-    compiled = torch.compile(lambda x: lin(x).tanh(), backend="loom", options=CG)
+    compiled = torch.compile(lambda x: lin(x).tanh(), backend=_host(host_stage), options=CG)
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     for _ in range(40):
@@ -223,7 +227,7 @@ def test_cache_hit_reproduces_the_plan_and_its_skips(
         loom_cudagraph.reset_skip_counts()
         f = torch.compile(
             lambda x: lin(x).sin().sum(),
-            backend="loom",
+            backend=_host(host_stage),
             options={"cudagraphs": True, "codegen": "eager"},
         )
         for _ in range(4):
@@ -251,7 +255,7 @@ def test_cache_hit_reproduces_the_plan_and_its_skips(
 def test_graph_with_nothing_capturable_still_reports_its_skip(
     host_stage: loom_cudagraph.HostCapturer, sin_is_host_op: None
 ) -> None:
-    compiled = torch.compile(lambda x: x.sin(), backend="loom", options=CG)
+    compiled = torch.compile(lambda x: x.sin(), backend=_host(host_stage), options=CG)
     x = torch.randn(3)
     torch.testing.assert_close(compiled(x), x.sin())
     assert loom_cudagraph.skip_counts() == {loom_cudagraph.SkipReason.USER_MARKED: 1}

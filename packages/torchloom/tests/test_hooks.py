@@ -122,10 +122,12 @@ def _entries(kind: str) -> list[torchloom.ReportEntry]:
     return [e for e in torchloom.report().entries("hooks") if e.kind == kind]
 
 
-def check_against_eager(hooks: Any, device: str = "cpu", options: Any = None, **tol: Any) -> Any:
+def check_against_eager(
+    hooks: Any, device: str = "cpu", options: Any = None, backend: Any = "loom", **tol: Any
+) -> Any:
     model, x = _mlp(device), torch.randn(8, 16, device=device)
     want = _train_step(model, model, x, hooks)
-    compiled = torch.compile(model, backend="loom", options=options or OPTS)
+    compiled = torch.compile(model, backend=backend, options=options or OPTS)
     got = _train_step(compiled, model, x, hooks)
     _assert_same(got, want, **tol)
     return compiled, model, x
@@ -145,20 +147,20 @@ def test_python_hooks_are_placed_in_the_graph_and_match_eager(hooks: Any) -> Non
     assert placed.get("packed") and "traced Python hooks" in placed.message
 
 
-def _as_if_offloaded(monkeypatch: Any) -> list[tuple[str, bool]]:
-    """Placements claim their packed values live on another device; codegen calls record
-    whether Inductor's peak-memory reordering was on (no second device on a CPU machine)."""
+def _as_if_offloaded() -> tuple[torchloom.Pipeline, list[tuple[str, bool]]]:
+    """A pipeline whose placements claim their packed values live on another device,
+    and whose codegen calls record whether Inductor's peak-memory reordering was on
+    (no second device on a CPU machine)."""
     import dataclasses
 
     import loom_hops
-    from torchloom import _pipeline
     from torchloom import _torch_compat as compat
+    from torchloom._pipeline import eager_codegen
 
-    place, codegen = loom_hops.place_saved_tensor_hooks, _pipeline._eager_codegen
     seen: list[tuple[str, bool]] = []
 
     def place_offloaded(*args: Any, **kwargs: Any) -> Any:
-        placement = place(*args, **kwargs)
+        placement = loom_hops.place_saved_tensor_hooks(*args, **kwargs)
         packed = tuple(
             dataclasses.replace(p, crossing_devices=("cuda:0",)) for p in placement.packed
         )
@@ -167,33 +169,34 @@ def _as_if_offloaded(monkeypatch: Any) -> list[tuple[str, bool]]:
     def recording_codegen(gm: Any, inputs: Any, static: Any) -> Any:
         kind = "backward" if any(n.name == "tangents_1" for n in gm.graph.nodes) else "forward"
         seen.append((kind, bool(compat.inductor_config.reorder_for_peak_memory)))
-        return codegen(gm, inputs, static)
+        return eager_codegen(gm, inputs, static)
 
-    monkeypatch.setattr(loom_hops, "place_saved_tensor_hooks", place_offloaded)
-    monkeypatch.setattr(_pipeline, "_eager_codegen", recording_codegen)
-    return seen
+    pipeline = torchloom.Pipeline(
+        place_saved_tensor_hooks=place_offloaded, eager_codegen=recording_codegen
+    )
+    return pipeline, seen
 
 
-def test_offloaded_graphs_are_generated_in_the_placement_order(monkeypatch: Any) -> None:
-    seen = _as_if_offloaded(monkeypatch)
-    check_against_eager((offload_pack, offload_unpack))
+def test_offloaded_graphs_are_generated_in_the_placement_order() -> None:
+    pipeline, seen = _as_if_offloaded()
+    check_against_eager((offload_pack, offload_unpack), backend=pipeline)
     assert sorted(seen) == [("backward", False), ("forward", False)]
     (order,) = _entries("graph_order")
     assert order.get("moved") and "reorder_for_peak_memory off" in order.message
 
 
-def test_graphs_whose_packed_values_stay_put_keep_inductor_reordering(monkeypatch: Any) -> None:
-    from torchloom import _pipeline
+def test_graphs_whose_packed_values_stay_put_keep_inductor_reordering() -> None:
     from torchloom import _torch_compat as compat
+    from torchloom._pipeline import eager_codegen
 
-    codegen, seen = _pipeline._eager_codegen, []
+    seen = []
 
     def recording_codegen(gm: Any, inputs: Any, static: Any) -> Any:
         seen.append(bool(compat.inductor_config.reorder_for_peak_memory))
-        return codegen(gm, inputs, static)
+        return eager_codegen(gm, inputs, static)
 
-    monkeypatch.setattr(_pipeline, "_eager_codegen", recording_codegen)
-    check_against_eager((offload_pack, offload_unpack))  # on CPU, "cpu" is where it was
+    pipeline = torchloom.Pipeline(eager_codegen=recording_codegen)
+    check_against_eager((offload_pack, offload_unpack), backend=pipeline)  # on CPU: stays put
     assert seen == [True, True] and not _entries("graph_order")
 
 

@@ -24,26 +24,26 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import loom_cache
 import loom_cudagraph
 import torchloom
-from torchloom._stage_cache import Artifact
-from torchloom._stage_cudagraph import CudagraphStage
-from torchloom._stages import STAGES
+from torchloom import Pipeline
+from torchloom._cache import Artifact
 
 CG = {"codegen": "eager", "cudagraphs": True}
 
 
+def _host(capturer: loom_cudagraph.HostCapturer) -> Pipeline:
+    """A pipeline that captures host graphs with ``capturer`` (CPU stands in for CUDA)."""
+    return Pipeline(capturer=capturer, cudagraph_device="cpu")
+
+
 @pytest.fixture
 def host_stage() -> Iterator[loom_cudagraph.HostCapturer]:
-    index = next(i for i, s in enumerate(STAGES) if isinstance(s, CudagraphStage))
-    original = STAGES[index]
     capturer = loom_cudagraph.HostCapturer()
-    STAGES[index] = CudagraphStage(capturer=capturer, device="cpu")
     loom_cudagraph.mark_non_capturable(torch.ops.aten.sin, "stands in for a host op")
     torchloom.reset()
     loom_cudagraph.reset_skip_counts()
     yield capturer
     loom_cudagraph.unmark_non_capturable(torch.ops.aten.sin)
     loom_cudagraph.unmark_non_capturable(torch.ops.aten.cos)
-    STAGES[index] = original
     torchloom.reset()
 
 
@@ -99,7 +99,7 @@ def test_cold_compile_stores_every_plan_as_plain_data(
     host_stage: loom_cudagraph.HostCapturer, tmp_path: Path
 ) -> None:
     lin = torch.nn.Linear(4, 4)
-    f = torch.compile(lambda x: lin(x).sin().sum(), backend="loom", options=CG)
+    f = torch.compile(lambda x: lin(x).sin().sum(), backend=_host(host_stage), options=CG)
     f(torch.randn(2, 4)).backward()
     assert _cache_kinds() == ["miss", "stored"]
     store = loom_cache.LocalStore(tmp_path / "loom-cache")
@@ -130,7 +130,9 @@ def test_cudagraph_settings_enter_the_key_and_a_miss_names_them(
 ) -> None:
     def run(options: dict[str, Any] = CG) -> str:
         torchloom.reset()
-        f = torch.compile(lambda x: (x * 2).sin().cos().sum(), backend="loom", options=options)
+        f = torch.compile(
+            lambda x: (x * 2).sin().cos().sum(), backend=_host(host_stage), options=options
+        )
         f(torch.randn(3))
         entries = torchloom.report().entries("cache")
         return " | ".join(f"{e.kind}: {e.message}" for e in entries)
@@ -151,38 +153,34 @@ def test_cudagraph_settings_enter_the_key_and_a_miss_names_them(
 
 
 def test_or_error_from_the_environment_is_in_the_key() -> None:
-    # The environment reaches the stage through the resolved options (read once).
-    stage = CudagraphStage()
-    ctx: Any = type("Ctx", (), {"options": torchloom.resolve_options(options=CG, env={})})()
-    plain = stage.cache_settings(ctx)
-    env = {loom_cudagraph.OR_ERROR_ENV: "1"}
-    ctx.options = torchloom.resolve_options(options=CG, env=env)
-    strict = stage.cache_settings(ctx)
+    from torchloom._cudagraph import cudagraph_settings
+
+    def settings(env: dict[str, str], **options: Any) -> Any:
+        resolved = torchloom.resolve_options(options={**CG, **options}, env=env)
+        return cudagraph_settings(resolved, None, None)
+
+    plain = settings({})
+    strict = settings({loom_cudagraph.OR_ERROR_ENV: "1"})
     assert plain is not None and strict is not None
     assert plain["or_error"] is False and strict["or_error"] is True
-    ctx.options = torchloom.resolve_options(options={**CG, "cudagraph_or_error": False}, env=env)
-    assert stage.cache_settings(ctx)["or_error"] is False  # options= beats the environment
-    ctx.options = torchloom.resolve_options(options={"codegen": "eager"})
-    assert stage.cache_settings(ctx) is None  # without CUDA graphs, no component
+    assert settings({loom_cudagraph.OR_ERROR_ENV: "1"}, cudagraph_or_error=False) == plain
+    assert settings({}, cudagraphs=False) is None  # without CUDA graphs, no component
 
 
 _CHILD = r"""
 import json, logging, sys
 import torch, torchloom, loom_cudagraph
-from torchloom._stage_cudagraph import CudagraphStage, cudagraph_stats
-from torchloom._stages import STAGES
 
 mode, phase, codegen = sys.argv[1:4]
-capturer = None
+capturer, parts = None, {}
 if mode == "host":
     capturer = loom_cudagraph.HostCapturer()
-    index = next(i for i, s in enumerate(STAGES) if isinstance(s, CudagraphStage))
-    STAGES[index] = CudagraphStage(capturer=capturer, device="cpu")
+    parts = {"capturer": capturer, "cudagraph_device": "cpu"}
     loom_cudagraph.mark_non_capturable(torch.ops.aten.sin, "stands in for a host op")
 if phase == "warm":
     def refuse(*args, **kwargs):
         raise AssertionError("a cache hit must not plan")
-    loom_cudagraph.plan_graph = refuse
+    parts["plan_graph"] = refuse
 
 messages = []
 class Keep(logging.Handler):
@@ -193,7 +191,7 @@ logging.getLogger("torchloom.cudagraph").setLevel(logging.INFO)
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
-f = torch.compile(lambda x: model(x).sin().sum(), backend="loom",
+f = torch.compile(lambda x: model(x).sin().sum(), backend=torchloom.Pipeline(**parts),
                   options={"codegen": codegen, "cudagraphs": True})
 outs = []
 for i in range(3):
@@ -212,7 +210,7 @@ print("RESULT " + json.dumps({
     "outs": outs,
     "grads": [p.grad.double().flatten().tolist() for p in model.parameters()],
     "replays": capturer.replays if capturer else 0,
-    "stats": [s.format() for s in cudagraph_stats()],
+    "stats": [s.format() for s in torchloom.cudagraph_stats()],
 }))
 """
 

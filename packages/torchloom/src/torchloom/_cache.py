@@ -1,0 +1,428 @@
+"""The cache steps: a second process compiling the same program starts warm.
+
+While preparing, :func:`cache_key` computes a ``loom_cache`` key (graph
+fingerprint, environment, loom's versions and options, the active saved-tensor
+hooks, the CUDA-graph settings) or a bypass reason. :func:`look_up` finds the
+stored :class:`Artifact`; the pipeline serves AOTAutograd's result from it
+(AOT tracing, hook placement, partitioning and codegen all skipped) and
+:func:`replay_artifact` re-makes the report entries the cold compilation made.
+Otherwise the pipeline compiles cold and :func:`store_compilation` stores the
+bundled result. A cache problem of any kind is a miss with a logged reason; it
+never fails a compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import pickle
+import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import torch
+from torch.fx import GraphModule
+
+import loom_cache
+from torchloom import _torch_compat as compat
+from torchloom._aot_cache import AotCacheSlot, route_lazy_backward_save
+from torchloom._hooks import HooksPlan
+from torchloom._report import GraphRecordBuilder
+from torchloom._values import GraphKind, Snapshot
+
+__all__ = [
+    "Artifact",
+    "CacheLookup",
+    "CacheRun",
+    "backward_compiled",
+    "cache_key",
+    "cache_store",
+    "finish_cold",
+    "look_up",
+    "record_hit",
+    "record_miss",
+    "replay_artifact",
+    "store_compilation",
+]
+
+log = logging.getLogger("torchloom.cache")
+
+ARTIFACT_FORMAT: Final = 3
+_LOOM_DISTRIBUTIONS: Final = (
+    "torchloom",
+    "torchloom-cache",
+    "torchloom-hops",
+    "torchloom-resize",
+    "torchloom-cudagraph",
+    "torchloom-sidefx",
+    "torchloom-cells",
+)
+_LOOM_MODULES: Final = (
+    "torchloom",
+    "loom_cache",
+    "loom_hops",
+    "loom_resize",
+    "loom_cudagraph",
+    "loom_sidefx",
+    "loom_cells",
+)
+_FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
+
+_store_lock = threading.Lock()
+_stores: dict[tuple[str, str], loom_cache.TieredStore] = {}
+
+
+def cache_store() -> loom_cache.TieredStore:
+    """The process's store for the current ``TORCHLOOM_CACHE_DIR`` / ``TORCHLOOM_REMOTE_CACHE``."""
+    ident = (str(loom_cache.default_cache_dir()), os.environ.get("TORCHLOOM_REMOTE_CACHE", ""))
+    with _store_lock:
+        if ident not in _stores:
+            _stores[ident] = loom_cache.open_default_store()
+        return _stores[ident]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Artifact:
+    """What a hit needs: AOTAutograd's bundled result, the report the cold
+    compilation made (entries and graphs) and the payloads of the steps that
+    re-make their own entries on a hit, by area (``"cudagraph"``: its plans)."""
+
+    format: int
+    aot_result: bytes
+    entries: tuple[tuple[str, str, str, tuple[tuple[str, Any], ...]], ...]
+    graphs: tuple[tuple[str, str], ...]
+    stages: tuple[tuple[str, Any], ...] = ()
+
+
+def _versions(pipeline: Sequence[str] = (), modules: Sequence[str] = _LOOM_MODULES) -> str:
+    """Versions of loom's distributions, the hash of its source and the pipeline's
+    extra parts (:meth:`Pipeline.describe`): a pipeline with other passes never
+    shares an entry."""
+    parts = [f"part={p}" for p in pipeline]
+    for dist in _LOOM_DISTRIBUTIONS:
+        try:
+            parts.append(f"{dist}={importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    parts.append(f"source={loom_source_hash(tuple(modules))}")
+    return ";".join(parts)
+
+
+@functools.cache
+def loom_source_hash(modules: tuple[str, ...] = _LOOM_MODULES) -> str:
+    """A hash of the source files of every loom package, read once per process.
+
+    Versions alone do not change while loom is developed (an editable install
+    keeps 0.1.0 across edits); the source does, so an edited pass never meets
+    an artifact its old code made (Inductor keys on torch's source the same way).
+    """
+    digest = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        roots = list(spec.submodule_search_locations or ()) if spec is not None else []
+        for root in roots:
+            for folder, dirs, files in os.walk(root):
+                dirs.sort()
+                for fname in sorted(files):
+                    if fname.endswith(".py"):
+                        path = os.path.join(folder, fname)
+                        digest.update(os.path.relpath(path, root).encode())
+                        with open(path, "rb") as f:
+                            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def _program(gm: GraphModule) -> str:
+    """``file:function`` of the user code the graph came from (explanations only)."""
+    for node in gm.graph.nodes:
+        match = _FRAME.findall(node.meta.get("stack_trace") or "")
+        if match:
+            path, fn = match[-1]
+            return f"{os.path.basename(path)}:{fn}"
+    return "graph"
+
+
+def _device(example_inputs: Sequence[Any]) -> torch.device:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
+
+
+def _picklable(data: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    out = []
+    for k, v in data:
+        try:
+            pickle.dumps(v)
+        except Exception:
+            v = repr(v)
+        out.append((k, v))
+    return tuple(out)
+
+
+def _bypass(record: GraphRecordBuilder, bypass: loom_cache.CacheBypass) -> loom_cache.CacheBypass:
+    record.add_entry("cache", "bypass", str(bypass), kind_=bypass.kind.value, where=bypass.where)
+    if bypass.kind is not loom_cache.CacheBypassKind.DISABLED:
+        log.info("graph %d: %s", record.graph_id, bypass)
+    return bypass
+
+
+def _make_key(
+    snapshot: Snapshot,
+    hooks: HooksPlan,
+    settings: Mapping[str, Mapping[str, Any] | None],
+    pipeline: Sequence[str],
+) -> loom_cache.CacheKey | loom_cache.CacheBypass:
+    options = snapshot.options
+    if not options.cache:  # TORCHLOOM_CACHE is resolved into the options, once
+        return loom_cache.CacheBypass(
+            loom_cache.CacheBypassKind.DISABLED, "options", "the loom cache is off"
+        )
+    if compat.caches_force_disabled():
+        return loom_cache.CacheBypass(
+            loom_cache.CacheBypassKind.DISABLED,
+            "torch.compiler.config.force_disable_caches",
+            "PyTorch's caches are force-disabled",
+        )
+    if hooks.pair is not None and hooks.fingerprint is None:
+        return loom_cache.CacheBypass(
+            loom_cache.CacheBypassKind.UNHASHABLE_CLOSURE,
+            "active saved_tensors_hooks",
+            "the hooks have no process-stable fingerprint",
+            "capture plain values in the hooks, or give captured objects a `cache_hash`",
+        )
+    fp = loom_cache.graph_fingerprint(snapshot.gm)
+    if fp.bypass is not None:
+        return fp.bypass
+    hooks_component = loom_cache.KeyComponent(
+        "hooks",
+        loom_cache.stable_digest(hooks.fingerprint or "none"),
+        "none" if hooks.pair is None else f"saved_tensors_hooks {hooks.fingerprint}",
+    )
+    components = [hooks_component]
+    for name, values in settings.items():
+        if values is not None:
+            items = dict(sorted(values.items()))
+            components.append(
+                loom_cache.KeyComponent(
+                    name,
+                    loom_cache.stable_digest(items),
+                    json.dumps(items, sort_keys=True, default=str),
+                )
+            )
+    return loom_cache.make_key(
+        _program(snapshot.gm),
+        fp,
+        device=_device(snapshot.example_inputs),
+        backend=("loom", _versions(pipeline)),
+        options={k: v for k, v in options.as_dict().items() if k != "cache"},
+        extra=components,
+    )
+
+
+def cache_key(
+    snapshot: Snapshot,
+    hooks: HooksPlan,
+    settings: Mapping[str, Mapping[str, Any] | None],
+    pipeline: Sequence[str] = (),
+) -> loom_cache.CacheKey | loom_cache.CacheBypass:
+    """The graph's key, or why it bypasses the cache (recorded in the report).
+
+    ``settings`` are key components beyond the options, by name (the CUDA-graph
+    settings; ``None``: nothing for this graph); ``pipeline`` names the
+    pipeline's extra parts.
+    """
+    try:
+        key = _make_key(snapshot, hooks, settings, pipeline)
+    except compat.CONTROL_FLOW_EXCEPTIONS:
+        raise
+    except Exception as err:  # the cache never fails a compile
+        log.warning(
+            "graph %d: loom cache key failed, compiling without it: %r", snapshot.graph_id, err
+        )
+        key = loom_cache.CacheBypass(
+            loom_cache.CacheBypassKind.UNHASHABLE_CONSTANT, "key", f"{type(err).__name__}: {err}"
+        )
+    if isinstance(key, loom_cache.CacheBypass):
+        return _bypass(snapshot.record, key)
+    return key
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheLookup:
+    """What the store holds for a key: an artifact to serve, or why there is none."""
+
+    key: loom_cache.CacheKey
+    store: loom_cache.TieredStore
+    artifact: Artifact | None
+    reason: str
+
+
+def look_up(store: loom_cache.TieredStore, key: loom_cache.CacheKey) -> CacheLookup:
+    """The stored artifact for ``key``; an unreadable one is deleted and is a miss."""
+    try:
+        found = store.lookup(key.digest)
+    except Exception as err:
+        return CacheLookup(key, store, None, f"lookup failed: {type(err).__name__}: {err}")
+    if found.entry is None:
+        return CacheLookup(key, store, None, found.reason)
+    try:
+        artifact = pickle.loads(found.entry.payload)
+        if not isinstance(artifact, Artifact) or artifact.format != ARTIFACT_FORMAT:
+            raise TypeError("not a loom artifact of this format")
+    except Exception as err:
+        store.delete(key.digest)
+        return CacheLookup(key, store, None, f"unreadable artifact: {type(err).__name__}: {err}")
+    return CacheLookup(key, store, artifact, "hit")
+
+
+def replay_artifact(
+    record: GraphRecordBuilder,
+    artifact: Artifact,
+    replay: Mapping[str, Callable[[Any], None]],
+) -> None:
+    """A hit: the report entries and graphs the cold compilation made, then each
+    stored payload handed back to the step that re-makes its own entries."""
+    for area, kind, message, data in artifact.entries:
+        record.add_entry(area, kind, message, **dict(data))
+    for kind, code in artifact.graphs:
+        record.add_graph(kind, code)
+    for area, payload in artifact.stages:
+        if area in replay:
+            replay[area](payload)
+
+
+def record_hit(record: GraphRecordBuilder, lookup: CacheLookup) -> None:
+    lookup.store.local.record(hit=True)
+    key = lookup.key
+    record.add_entry(
+        "cache", "hit", f"loom cache hit {key.digest[:16]} ({key.program})", digest=key.digest
+    )
+
+
+def record_miss(record: GraphRecordBuilder, lookup: CacheLookup, reason: str) -> None:
+    """A miss: why, and how the key differs from the nearest stored entry."""
+    store, key = lookup.store, lookup.key
+    explanation = ""
+    try:
+        store.local.record(hit=False)
+        store.local.record_miss(key)
+        nearest = loom_cache.nearest_key(
+            key, (i.key for i in store.local.entries() if i.key.program == key.program)
+        )
+        if nearest is not None:
+            diffs = loom_cache.explain_miss(key, nearest)
+            explanation = "; ".join(str(d) for d in diffs)
+    except Exception as err:
+        explanation = f"(no explanation: {err})"
+    message = f"loom cache miss {key.digest[:16]} ({key.program}): {reason}"
+    if explanation:
+        message += f"; differs from the nearest entry in {explanation}"
+    record.add_entry("cache", "miss", message, digest=key.digest)
+    log.info("graph %d: %s", record.graph_id, message)
+
+
+@dataclasses.dataclass
+class CacheRun:
+    """A keyed cold compilation in progress: where its result goes, which report
+    entries and graphs it made (those after ``first_*``), which aten graphs it
+    compiled so far and what the stored artifact must carry besides.
+
+    ``awaiting_backward``: the compilation returned before AOTAutograd saved its
+    entry, because the backward compiles at its first call (``grad_hook`` sites);
+    the entry is stored right after that compile.
+    """
+
+    lookup: CacheLookup
+    slot: AotCacheSlot
+    first_entry: int
+    first_graph: int
+    #: Payloads stored with the artifact, by area, made at store time.
+    payloads: Callable[[], Mapping[str, Any]]
+    compiled: set[GraphKind] = dataclasses.field(default_factory=set)
+    awaiting_backward: bool = False
+    #: Why the compilation is not what the key promises (hooks left eager), if so.
+    not_cacheable: str | None = None
+
+
+def finish_cold(record: GraphRecordBuilder, run: CacheRun) -> None:
+    """After a cold compile: record the miss, then store the artifact now, or after
+    the first backward when AOTAutograd compiles it then."""
+    record_miss(record, run.lookup, run.lookup.reason)
+    if run.compiled == {GraphKind.FORWARD} and not run.slot.save_attempted:
+        run.awaiting_backward = True
+        record.add_entry(
+            "cache",
+            "pending",
+            "the backward compiles at its first call: the entry is stored after it",
+            digest=run.lookup.key.digest,
+        )
+        return
+    store_compilation(record, run)
+
+
+def backward_compiled(record: GraphRecordBuilder, run: CacheRun) -> None:
+    """Called as a lazily compiled backward is generated: the entry AOTAutograd saves
+    right after is routed to this compilation's slot, then stored."""
+    if not run.awaiting_backward:
+        return
+    # NOTE: AOTAutograd makes and saves the complete entry right after this compiler
+    # returns, outside our compilation's slot routing.
+    run.awaiting_backward = False
+
+    def save_late() -> None:
+        try:
+            store_compilation(record, run)
+        except Exception as err:  # inside the user's backward: the cache never fails it
+            log.warning("graph %d: could not store the compiled artifact: %r", record.graph_id, err)
+
+    route_lazy_backward_save(run.slot, save_late)
+
+
+def store_compilation(record: GraphRecordBuilder, run: CacheRun) -> None:
+    """Store the cold compilation's artifact, unless it is not what the key promises."""
+    store, key, slot = run.lookup.store, run.lookup.key, run.slot
+    built = record.build()
+    if built.fallback is not None or run.not_cacheable is not None:
+        record.add_entry(
+            "cache",
+            "not-stored",
+            "the compilation fell back or left the hooks eager; nothing stored",
+        )
+        return
+    if slot.saved is None:
+        _bypass(
+            record,
+            loom_cache.CacheBypass(
+                loom_cache.CacheBypassKind.UNSERIALIZABLE_ARTIFACT,
+                "AOTAutograd result",
+                slot.save_error or "AOTAutograd produced no cacheable result",
+            ),
+        )
+        return
+    try:
+        stages = tuple((area, p) for area, p in run.payloads().items() if p is not None)
+        owned = {"cache", *(area for area, _ in stages)}
+        entries = tuple(
+            (e.area, e.kind, e.message, _picklable(e.data))
+            for e in built.entries[run.first_entry :]
+            if e.area not in owned
+        )
+        graphs = built.graphs[run.first_graph :]
+        artifact = Artifact(ARTIFACT_FORMAT, slot.saved, entries, graphs, stages)
+        payload = pickle.dumps(artifact)
+        store.put(loom_cache.Entry(key, payload, (("loom", _versions()),)))
+    except Exception as err:
+        log.warning("graph %d: could not store the compiled artifact: %r", record.graph_id, err)
+        record.add_entry("cache", "not-stored", f"store failed: {err}")
+        return
+    record.add_entry(
+        "cache", "stored", f"stored {key.digest[:16]} ({len(payload)} bytes)", digest=key.digest
+    )
