@@ -31,7 +31,6 @@ from real_models import (
     RESNET,
     Backend,
     LoomCompiledOtherwise,
-    LoomFellBack,
     RealModel,
     Setup,
     Tolerance,
@@ -52,8 +51,6 @@ FP8_MAX = 448.0
 #: the compiled partition saves other tensors than eager does (a transposed
 #: weight, a recomputed activation), so other values are rounded.
 LOSSY = {"bf16": Tolerance(atol=1e-6, rel_l2=2e-2), "fp8": Tolerance(atol=1e-5, rel_l2=1.5e-1)}
-ISSUE_12_PART_1 = "issue 12 part 1: dynamic=True falls back with TensorifyScalarRestartAnalysis"
-ISSUE_12_PART_2 = "issue 12 part 2: hooks guarded by identity"
 
 
 def _ids(models: tuple[RealModel, ...]) -> list[Any]:
@@ -115,7 +112,6 @@ def test_resnet_with_checkpointed_blocks_keeps_batchnorm_stats() -> None:
     _assert_loom_got_checkpoints()
 
 
-@pytest.mark.xfail(strict=True, raises=LoomCompiledOtherwise, reason=ISSUE_12_PART_2)
 def test_llama_under_save_on_cpu_compiles_once_for_several_steps() -> None:
     # save_on_cpu makes new pack/unpack functions each time it is entered: one per step.
     setup = Setup(sizes=(16, 16, 16), context=torch.autograd.graph.save_on_cpu)
@@ -240,7 +236,6 @@ def test_llama_grad_hook_on_every_layer_keeps_one_graph() -> None:
     assert torchloom.report().entries("grad_hooks"), torchloom.report().format()
 
 
-@pytest.mark.xfail(strict=True, raises=LoomFellBack, reason=ISSUE_12_PART_1)
 def test_llama_dynamic_true_serves_two_sequence_lengths_as_aot_eager_does() -> None:
     setup = Setup(dynamic=True, sizes=LLAMA.sizes)
     differential(LLAMA, _same(setup), LOOM, AOT_EAGER)

@@ -85,6 +85,19 @@ def test_masked_select_has_a_data_dependent_shape() -> None:
     assert not plan.segments[-1].captured
 
 
+def test_integer_tensor_indexing_is_captured_and_boolean_masks_are_not() -> None:
+    # aten.index.Tensor carries dynamic_output_shape for its mask form only
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        i = torch.arange(4, device=t.device)
+        return t[i, i] * 2
+
+    plan = plan_of(gather, ((8, 8), CUDA))
+    assert plan.skips() == () and all(s.captured for s in plan.segments)
+    masked = plan_of(lambda t: t[t > 0] * 2, ((8, 8), CUDA))
+    assert {r.op for r in masked.skips()} >= {"aten.index.Tensor"}
+    assert SkipReason.DATA_DEPENDENT_SHAPE in {r.kind for r in masked.skips()}
+
+
 def test_user_marked_op_is_refused_until_unmarked() -> None:
     mark_non_capturable(torch.ops.aten.sin, "my kernel reads host memory", "call it outside")
     try:

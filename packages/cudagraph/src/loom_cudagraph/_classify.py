@@ -139,7 +139,9 @@ def classify_node(node: torch.fx.Node, device: torch.device | None) -> Unsupport
         return refuse(rule.kind, rule.explanation, rule.hint)
     if isinstance(node.target, OpOverload):
         tags = node.target.tags
-        if torch.Tag.dynamic_output_shape in tags:
+        # NOTE: aten.index.Tensor carries the tag for its boolean-mask form only; with
+        # integer indices its output shape is static (checked by _bool_index below).
+        if torch.Tag.dynamic_output_shape in tags and not name.startswith("aten.index."):
             return refuse(
                 SkipReason.DATA_DEPENDENT_SHAPE,
                 "its output shape depends on tensor data",
