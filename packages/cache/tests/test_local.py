@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -131,3 +133,65 @@ def test_cache_dir_comes_from_the_environment(
 ) -> None:
     monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(tmp_path / "here"))
     assert LocalStore().root == tmp_path / "here"
+
+
+def _assert_not_stored_with_one_warning(
+    store: LocalStore, caplog: pytest.LogCaptureFixture, reason: str
+) -> None:
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    for i in range(3):
+        result = store.put(_entry(i))
+        assert not result.stored and reason in result.reason
+        found = store.lookup(_key(i).digest)
+        assert not found.hit and found.reason.startswith("absent")
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert reason in warning
+
+
+def test_cache_dir_naming_a_regular_file_is_a_miss_and_not_stored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    store = LocalStore(tmp_path / "file")
+    _assert_not_stored_with_one_warning(store, caplog, "unusable")
+    assert store.stats().entries == 0 and store.misses() == []
+
+
+def test_uncreatable_parent_is_a_miss_and_not_stored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # NOTE: a regular file as an ancestor fails even for root, unlike chmod.
+    (tmp_path / "file").write_text("not a directory")
+    store = LocalStore(tmp_path / "file" / "deeper" / "cache")
+    _assert_not_stored_with_one_warning(store, caplog, "unusable")
+    store.record(hit=False)
+    store.record_miss(_key(1))
+
+
+def test_unwritable_entries_directory_is_not_stored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = LocalStore(tmp_path)
+    shard = store.path_of(_key(0).digest).parent
+    shard.parent.mkdir(parents=True, exist_ok=True)
+    shard.write_text("a file where the shard directory goes")
+    result = store.put(_entry(0))
+    assert not result.stored and "unusable" in result.reason
+    assert store.put(_entry(1)).stored  # other shards still work
+
+
+def test_directory_removed_while_running_is_recreated_by_the_next_put(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "cache")
+    assert store.put(_entry(1)).stored
+    shutil.rmtree(tmp_path / "cache")
+    assert store.lookup(_key(1).digest).reason == "absent"
+    store.record(hit=False)
+    assert store.put(_entry(2)).stored
+    assert store.lookup(_key(2).digest).hit
+
+
+def test_max_bytes_zero_stores_nothing_and_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = LocalStore(tmp_path, max_bytes=0)
+    _assert_not_stored_with_one_warning(store, caplog, "size bound is 0")

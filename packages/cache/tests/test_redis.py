@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from loom_cache import CacheKey, Entry, KeyComponent, LocalStore, RedisStore, TieredStore
+from loom_cache import (
+    CacheKey,
+    Entry,
+    KeyComponent,
+    LocalStore,
+    RedisStore,
+    StoreUnavailable,
+    TieredStore,
+    open_default_store,
+)
 
 
 def _entry(i: int) -> Entry:
@@ -58,3 +67,43 @@ def test_unreachable_redis_from_the_start_never_fails_a_lookup(tmp_path: Path) -
     assert store.lookup(_entry(7).digest).reason.endswith("remote unavailable")
     store.put(_entry(7))
     assert store.lookup(_entry(7).digest).hit
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://user:s3cr3t-pw@127.0.0.1:1/0", "redis://:s3cr3t-pw@127.0.0.1:1"]
+)
+def test_the_redis_password_never_reaches_a_log_line_or_error(
+    url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE", url)
+    monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE_TIMEOUT", "0.2")
+    store = open_default_store()
+    store.lookup(_entry(1).digest)
+    store.put(_entry(1))
+    store.retry_after_s = 0.0
+    store._down_until = 0.0
+    store.lookup(_entry(2).digest)  # a second failure: the debug line
+    remote = store.remote
+    assert remote is not None
+    with pytest.raises(StoreUnavailable) as raised:
+        remote.lookup(_entry(3).digest)
+    messages = [r.getMessage() for r in caplog.records] + [str(raised.value)]
+    assert any("remote tier unavailable" in m and "***" in m for m in messages)
+    assert not [m for m in messages if "s3cr3t" in m]
+
+
+def test_an_unusable_password_url_is_ignored_without_showing_the_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE", "nosuch://:s3cr3t-pw@host:1/0")
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    assert open_default_store().remote is None
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "ignoring TORCHLOOM_REMOTE_CACHE=nosuch://:***@host:1/0" in warning
+    assert "s3cr3t" not in warning

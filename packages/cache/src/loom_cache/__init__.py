@@ -14,6 +14,7 @@ Example::
 
 from loom_cache._bypass import CacheBypass, CacheBypassKind
 from loom_cache._cli import cache_main
+from loom_cache._config import parse_size, redact_url
 from loom_cache._entry import FORMAT_VERSION, MAGIC, Entry, EntryError, decode_entry, encode_entry
 from loom_cache._environment import (
     backend_component,
@@ -28,7 +29,14 @@ from loom_cache._key import CacheKey, ComponentDiff, KeyComponent, explain_miss,
 from loom_cache._local import LocalStore, default_cache_dir
 from loom_cache._make_key import code_component, make_key
 from loom_cache._redis import RedisStore
-from loom_cache._store import EntryInfo, Lookup, Store, StoreStats, StoreUnavailable
+from loom_cache._store import (
+    EntryInfo,
+    Lookup,
+    PutResult,
+    Store,
+    StoreStats,
+    StoreUnavailable,
+)
 from loom_cache._symbols import stable_symbol_names, symbol_id
 from loom_cache._tiered import TieredStore, open_default_store
 
@@ -49,6 +57,7 @@ __all__ = [
     "KeyComponent",
     "LocalStore",
     "Lookup",
+    "PutResult",
     "RedisStore",
     "Store",
     "StoreStats",
@@ -71,6 +80,8 @@ __all__ = [
     "nearest_key",
     "open_default_store",
     "options_component",
+    "parse_size",
+    "redact_url",
     "stable_digest",
     "stable_symbol_names",
     "symbol_id",

@@ -4,7 +4,11 @@ Invariants: readers never see a partial entry (writes go to a temporary file
 in the same directory tree and are published with ``os.replace``); a crash
 mid-write leaves only a temporary file that later sweeps remove; the total
 size stays under ``max_bytes`` by evicting least-recently-used entries (a hit
-refreshes the entry's mtime); corrupt entries are removed and reported.
+refreshes the entry's mtime); corrupt entries are removed and reported. A directory the process cannot
+use (unwritable, an uncreatable parent, a regular file in its place) never
+raises out of the store: lookups miss and puts return a :class:`PutResult`
+saying why, with one warning; a directory removed while the process runs is
+recreated by the next put.
 Only eviction and the hit/miss counters take a lock (``fcntl.flock``).
 """
 
@@ -21,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
+from loom_cache._config import max_bytes_from_env
 from loom_cache._entry import (
     MAGIC,
     Entry,
@@ -30,12 +35,11 @@ from loom_cache._entry import (
     encode_entry,
 )
 from loom_cache._key import CacheKey
-from loom_cache._store import EntryInfo, Lookup, StoreStats
+from loom_cache._store import EntryInfo, Lookup, PutResult, StoreStats
 
 log = logging.getLogger("torchloom.cache")
 
 LAYOUT: Final = "v1"
-DEFAULT_MAX_BYTES: Final = 2 << 30
 _STALE_TMP_SECONDS: Final = 3600.0
 _MAX_MISS_RECORDS: Final = 200
 
@@ -47,11 +51,6 @@ def default_cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "torchloom"
-
-
-def default_max_bytes() -> int:
-    raw = os.environ.get("TORCHLOOM_CACHE_MAX_BYTES")
-    return int(raw) if raw and raw.isdigit() else DEFAULT_MAX_BYTES
 
 
 class LocalStore:
@@ -67,13 +66,26 @@ class LocalStore:
 
     def __init__(self, root: str | os.PathLike[str] | None = None, max_bytes: int | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
-        self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
+        self.max_bytes = max_bytes if max_bytes is not None else max_bytes_from_env()
         self._dir = self.root / LAYOUT
         self._entries = self._dir / "entries"
         self._tmp = self._dir / "tmp"
         self._misses = self._dir / "misses"
+        self._warned = False
+        with contextlib.suppress(OSError):  # reported by the first put that needs them
+            self._make_dirs()
+
+    def _make_dirs(self) -> None:
         for d in (self._entries, self._tmp, self._misses):
             d.mkdir(parents=True, exist_ok=True)
+
+    def _not_stored(self, reason: str) -> PutResult:
+        if not self._warned:
+            self._warned = True
+            log.warning("loom cache: the local tier stores nothing: %s", reason)
+        else:
+            log.debug("loom cache: not stored: %s", reason)
+        return PutResult(False, self.name, reason)
 
     # -- entries -----------------------------------------------------------
     def path_of(self, digest: str) -> Path:
@@ -85,6 +97,8 @@ class LocalStore:
             data = path.read_bytes()
         except FileNotFoundError:
             return Lookup(None, self.name, "absent")
+        except NotADirectoryError:
+            return Lookup(None, self.name, f"absent (the cache directory {self.root} is unusable)")
         except OSError as exc:
             return Lookup(None, self.name, f"unreadable: {exc}")
         try:
@@ -99,13 +113,21 @@ class LocalStore:
             os.utime(path)  # LRU: a hit is a use
         return Lookup(entry, self.name, "hit")
 
-    def put(self, entry: Entry) -> None:
+    def put(self, entry: Entry) -> PutResult:
+        """Store ``entry``; a local problem is a result saying why, never an exception."""
+        if self.max_bytes == 0:
+            return self._not_stored("the size bound is 0 (TORCHLOOM_CACHE_MAX_BYTES=0)")
         data = encode_entry(entry)
         path = self.path_of(entry.digest)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._atomic_write(path, data)
-        if self.max_bytes is not None:
-            self.evict(self.max_bytes)
+        try:
+            self._make_dirs()  # NOTE: recreates a directory removed while the process runs
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._atomic_write(path, data)
+            if self.max_bytes is not None:
+                self.evict(self.max_bytes)
+        except OSError as exc:
+            return self._not_stored(f"cache directory {self.root} unusable: {exc}")
+        return PutResult(True, self.name, "stored")
 
     def _atomic_write(self, path: Path, data: bytes) -> None:
         tmp = self._tmp / f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
@@ -181,10 +203,14 @@ class LocalStore:
     def record_miss(self, key: CacheKey) -> None:
         """Keep the key of a miss so ``torchloom cache explain`` can compare it later."""
         path = self._misses / f"{key.digest}.json"
-        self._atomic_write(path, json.dumps({"time": time.time(), "key": key.to_json()}).encode())
-        records = sorted(self._misses.glob("*.json"), key=lambda p: p.stat().st_mtime)
-        for old in records[:-_MAX_MISS_RECORDS]:
-            old.unlink(missing_ok=True)
+        record = json.dumps({"time": time.time(), "key": key.to_json()}).encode()
+        try:
+            self._atomic_write(path, record)
+            records = sorted(self._misses.glob("*.json"), key=lambda p: p.stat().st_mtime)
+            for old in records[:-_MAX_MISS_RECORDS]:
+                old.unlink(missing_ok=True)
+        except OSError as exc:  # explanations are best effort
+            log.debug("loom cache: could not record the miss: %s", exc)
 
     def misses(self) -> list[tuple[float, CacheKey]]:
         out = []

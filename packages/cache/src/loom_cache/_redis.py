@@ -3,7 +3,8 @@
 Every call has a bounded socket timeout; any failure surfaces as
 :class:`StoreUnavailable` so the tiered store can go on with the local tier.
 Entries use the same encoding as the local store and expire after
-``ttl_seconds`` (Redis' own ``maxmemory`` policy bounds the size).
+``ttl_seconds`` (Redis' own ``maxmemory`` policy bounds the size). The URL
+enters messages only redacted (``redis://user:***@host``).
 """
 
 from __future__ import annotations
@@ -12,24 +13,17 @@ import os
 from collections.abc import Iterator
 from typing import Any, Final
 
+from loom_cache._config import redact, redact_url, timeout_from_env
 from loom_cache._entry import Entry, EntryError, decode_entry, decode_header, encode_entry
 from loom_cache._key import CacheKey
-from loom_cache._store import EntryInfo, Lookup, StoreUnavailable
+from loom_cache._store import EntryInfo, Lookup, PutResult, StoreUnavailable
 
 PREFIX: Final = "torchloom:v1:"
-DEFAULT_TIMEOUT_S: Final = 0.5
 DEFAULT_TTL_S: Final = 14 * 24 * 3600
 
 
 def remote_url_from_env() -> str | None:
     return os.environ.get("TORCHLOOM_REMOTE_CACHE") or None
-
-
-def _timeout_from_env() -> float:
-    try:
-        return float(os.environ.get("TORCHLOOM_REMOTE_CACHE_TIMEOUT", DEFAULT_TIMEOUT_S))
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
 
 
 class RedisStore:
@@ -48,7 +42,7 @@ class RedisStore:
                 "the remote cache needs the `redis` package (torchloom-cache[redis])"
             ) from exc
         self.url = url
-        self.timeout_s = timeout_s if timeout_s is not None else _timeout_from_env()
+        self.timeout_s = timeout_s if timeout_s is not None else timeout_from_env()
         self.ttl_s = ttl_s
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._client: Any = redis.Redis.from_url(
@@ -63,7 +57,8 @@ class RedisStore:
         try:
             return getattr(self._client, method)(*args, **kwargs)
         except self._errors as exc:
-            raise StoreUnavailable(f"redis at {self.url}: {type(exc).__name__}: {exc}") from None
+            message = redact(f"{type(exc).__name__}: {exc}", self.url)
+            raise StoreUnavailable(f"redis at {redact_url(self.url)}: {message}") from None
 
     def lookup(self, digest: str) -> Lookup:
         data = self._call("get", PREFIX + digest)
@@ -76,8 +71,9 @@ class RedisStore:
             return Lookup(None, self.name, f"corrupt entry: {exc}")
         return Lookup(entry, self.name, "hit")
 
-    def put(self, entry: Entry) -> None:
+    def put(self, entry: Entry) -> PutResult:
         self._call("set", PREFIX + entry.digest, encode_entry(entry), ex=self.ttl_s)
+        return PutResult(True, self.name, "stored")
 
     def put_raw(self, digest: str, data: bytes) -> None:
         """Store bytes as they are (tests use it to plant corrupt entries)."""

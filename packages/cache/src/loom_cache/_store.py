@@ -2,7 +2,9 @@
 
 A store maps a key digest to an :class:`~loom_cache._entry.Entry`. Lookups
 return a :class:`Lookup` that says where the entry came from or why there is
-none (absent, corrupt, unreachable), so a miss always has a reason.
+none (absent, corrupt, unreachable), so a miss always has a reason. A put
+returns a :class:`PutResult` the same way: a store never raises for a local
+problem (an unusable directory), it says why nothing was stored.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ class Lookup:
     @property
     def hit(self) -> bool:
         return self.entry is not None
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """The result of a put: whether the entry was stored, where, and if not, why."""
+
+    stored: bool
+    tier: str
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +80,7 @@ class Store(Protocol):
 
     def lookup(self, digest: str) -> Lookup: ...
 
-    def put(self, entry: Entry) -> None: ...
+    def put(self, entry: Entry) -> PutResult: ...
 
     def delete(self, digest: str) -> bool: ...
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from loom_cache._entry import Entry
 from loom_cache._local import LocalStore
-from loom_cache._store import EntryInfo, Lookup, Store, StoreUnavailable
+from loom_cache._store import EntryInfo, Lookup, PutResult, Store, StoreUnavailable
 
 log = logging.getLogger("torchloom.cache")
 
@@ -61,14 +61,19 @@ class TieredStore:
             return remote
         return Lookup(None, remote.tier, f"{local.reason} locally, {remote.reason} remotely")
 
-    def put(self, entry: Entry) -> None:
-        self.local.put(entry)
+    def put(self, entry: Entry) -> PutResult:
+        """Stored when any tier stored it; otherwise the local tier's reason."""
+        local = self.local.put(entry)
         if self._remote_usable():
             assert self.remote is not None
             try:
-                self.remote.put(entry)
+                remote = self.remote.put(entry)
             except StoreUnavailable as exc:
                 self._remote_failed(exc)
+            else:
+                if remote.stored and not local.stored:
+                    return PutResult(True, remote.tier, f"stored remotely only ({local.reason})")
+        return local
 
     def delete(self, digest: str) -> bool:
         removed = self.local.delete(digest)
@@ -97,6 +102,7 @@ class TieredStore:
 def open_default_store() -> TieredStore:
     """The local store under the user cache directory, plus Redis when
     ``TORCHLOOM_REMOTE_CACHE`` names one (an unusable URL only warns)."""
+    from loom_cache._config import redact, redact_url
     from loom_cache._redis import RedisStore, remote_url_from_env
 
     remote: Store | None = None
@@ -105,5 +111,9 @@ def open_default_store() -> TieredStore:
         try:
             remote = RedisStore(url)
         except (StoreUnavailable, ValueError) as exc:
-            log.warning("loom cache: ignoring TORCHLOOM_REMOTE_CACHE=%s: %s", url, exc)
+            log.warning(
+                "loom cache: ignoring TORCHLOOM_REMOTE_CACHE=%s: %s",
+                redact_url(url),
+                redact(str(exc), url),
+            )
     return TieredStore(LocalStore(), remote)

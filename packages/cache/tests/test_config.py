@@ -1,0 +1,92 @@
+"""The cache's environment variables: validated, never silent, never a crash;
+URLs in messages never carry a password."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from loom_cache import LocalStore, parse_size, redact_url
+from loom_cache._config import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S, redact, timeout_from_env
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("0", 0),
+        ("4096", 4096),
+        ("1K", 1 << 10),
+        ("512M", 512 << 20),
+        ("1G", 1 << 30),
+        ("2T", 2 << 40),
+        ("1g", 1 << 30),
+        ("3GiB", 3 << 30),
+        ("64kib", 64 << 10),
+        ("10MB", 10 << 20),
+        (" 7 G ", 7 << 30),
+    ],
+)
+def test_sizes_accept_integers_and_binary_suffixes(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["1e9", "-5", "1.5G", "abc", "", "G", "5X"])
+def test_sizes_refuse_exponents_fractions_negatives_and_garbage(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("raw", ["-5", "1e9", "lots"])
+def test_bad_max_bytes_warns_naming_the_variable_and_uses_the_default(
+    raw: str, tmp_path: object, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TORCHLOOM_CACHE_MAX_BYTES", raw)
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    assert LocalStore(str(tmp_path)).max_bytes == DEFAULT_MAX_BYTES
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "TORCHLOOM_CACHE_MAX_BYTES" in warning and repr(raw) in warning
+
+
+def test_max_bytes_with_a_suffix_is_used(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TORCHLOOM_CACHE_MAX_BYTES", "1G")
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    assert LocalStore(str(tmp_path)).max_bytes == 1 << 30
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-1", "nan", "inf"])
+def test_bad_remote_timeout_warns_naming_the_variable_and_uses_the_default(
+    raw: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE_TIMEOUT", raw)
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    assert timeout_from_env() == DEFAULT_TIMEOUT_S
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "TORCHLOOM_REMOTE_CACHE_TIMEOUT" in warning and repr(raw) in warning
+
+
+def test_good_remote_timeout_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE_TIMEOUT", "2.5")
+    assert timeout_from_env() == 2.5
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://user:secret@host:6379/0", "redis://user:***@host:6379/0"),
+        ("redis://:secret@host", "redis://:***@host"),
+        ("rediss://u:p%40ss@h:1/2", "rediss://u:***@h:1/2"),
+        ("redis://host:6379/0", "redis://host:6379/0"),
+        ("redis://user@host/0", "redis://user@host/0"),
+    ],
+)
+def test_urls_are_shown_without_their_password(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+def test_messages_lose_the_password_as_written_and_decoded() -> None:
+    url = "redis://u:p%40ss@h:1/2"
+    assert redact("auth failed for p@ss and p%40ss", url) == "auth failed for *** and ***"
