@@ -128,6 +128,29 @@ def test_unreachable_redis_warns_and_compiles_with_the_local_tier(
     assert any("remote tier unavailable" in r.getMessage() for r in caplog.records)
 
 
+def test_cache_dir_naming_a_regular_file_compiles_right_with_a_miss_and_not_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    a_file = tmp_path / "not-a-directory"
+    a_file.write_text("a regular file")
+    monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(a_file))
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    torchloom.reset()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) * 2 + x
+
+    x = torch.linspace(-1, 1, 7)
+    compiled = torch.compile(fn, backend="loom", options=EAGER)
+    torch.testing.assert_close(compiled(x), fn(x))
+    (miss, not_stored) = _cache_entries()
+    assert miss[0] == "miss" and "unusable" in miss[1]
+    assert not_stored[0] == "not-stored" and "unusable" in not_stored[1]
+    assert a_file.read_text() == "a regular file"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "stores nothing" in warnings[0]
+
+
 def test_opaque_call_bypasses_the_cache_and_the_report_says_why() -> None:
     @torch._dynamo.allow_in_graph
     def opaque(x: torch.Tensor) -> torch.Tensor:

@@ -418,10 +418,13 @@ def store_compilation(record: GraphRecordBuilder, run: CacheRun) -> None:
         graphs = built.graphs[run.first_graph :]
         artifact = Artifact(ARTIFACT_FORMAT, slot.saved, entries, graphs, stages)
         payload = pickle.dumps(artifact)
-        store.put(loom_cache.Entry(key, payload, (("loom", _versions()),)))
+        put = store.put(loom_cache.Entry(key, payload, (("loom", _versions()),)))
     except Exception as err:
         log.warning("graph %d: could not store the compiled artifact: %r", record.graph_id, err)
         record.add_entry("cache", "not-stored", f"store failed: {err}")
+        return
+    if not put.stored:  # the store logged why (once)
+        record.add_entry("cache", "not-stored", f"not stored: {put.reason}", digest=key.digest)
         return
     record.add_entry(
         "cache", "stored", f"stored {key.digest[:16]} ({len(payload)} bytes)", digest=key.digest
