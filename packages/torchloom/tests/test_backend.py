@@ -90,20 +90,19 @@ def test_report_has_ids_input_metadata_and_timed_stages() -> None:
     assert "graph 0" in rep.format() and "loom's own stages" in rep.format()
 
 
-def test_nested_sections_keep_only_their_own_time() -> None:
-    import time
+def test_nested_sections_keep_only_their_own_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchloom._report as report_module
 
-    from torchloom._report import new_record
-
-    record = new_record("t", [], {})
-    with record.timed("outer"):
-        time.sleep(0.02)
-        with record.timed("inner", owner="torch"):
-            time.sleep(0.05)
+    # A scripted clock: outer starts at 0, inner runs 3..8, outer ends at 10.
+    ticks = iter([0.0, 3.0, 8.0, 10.0])
+    monkeypatch.setattr(report_module.time, "perf_counter", lambda: next(ticks))
+    record = report_module.new_record("t", [], {})
+    with record.timed("outer"), record.timed("inner", owner="torch"):
+        pass
     inner, outer = record.build().stages
-    assert (inner.name, inner.owner, outer.name) == ("inner", "torch", "outer")
-    assert inner.seconds >= 0.05 and 0.02 <= outer.seconds < 0.05
-    assert record.build().loom_seconds == outer.seconds
+    assert (inner.name, inner.owner, inner.seconds) == ("inner", "torch", 5.0)
+    assert (outer.name, outer.owner, outer.seconds) == ("outer", "loom", 5.0)
+    assert record.build().loom_seconds == 5.0 and record.build().compile_seconds == 10.0
 
 
 def test_graph_without_tensor_work_runs_eagerly_with_a_logged_reason(

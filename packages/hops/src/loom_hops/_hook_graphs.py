@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.fx
 
+from loom_hops import _torch_compat
 from loom_hops._torch_compat import fake_mode_of, make_fx, python_dispatcher, pytree
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
 
@@ -207,6 +208,8 @@ def trace_pack_graph(
 
     try:
         graph = trace_function(flat_pack, [saved], decompositions)
+    except _torch_compat.CONTROL_FLOW_EXCEPTIONS:
+        raise
     except Exception as e:
         return _trace_failed(where, e)
     layout = layouts[-1]
@@ -247,6 +250,8 @@ def trace_unpack_graph(
         ctx = mode if mode is not None else contextlib.nullcontext()
         with ctx, python_dispatcher():
             result = graph(*pack.example_outputs)
+    except _torch_compat.CONTROL_FLOW_EXCEPTIONS:
+        raise
     except Exception as e:
         return _trace_failed(where, e)
     if isinstance(result, (tuple, list)):

@@ -16,6 +16,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
+from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
 from torch._guards import detect_fake_mode
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -28,6 +29,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbolic
 
 __all__ = [
+    "CONTROL_FLOW_EXCEPTIONS",
     "DispatchKey",
     "FakeTensor",
     "FakeTensorMode",
@@ -62,6 +64,15 @@ __all__ = [
 
 #: ``(pack, unpack)`` as torch stores it, or ``None`` when no hooks are active.
 RawHooks = tuple[Callable[..., Any], Callable[..., Any]] | None
+
+
+#: What Dynamo raises to steer a compilation (restart the analysis, skip the frame):
+#: never a refusal of a hook; it must reach Dynamo.
+CONTROL_FLOW_EXCEPTIONS: tuple[type[BaseException], ...] = (
+    RestartAnalysis,
+    SkipFrame,
+    ShortenTraceback,
+)
 
 
 def top_saved_tensors_hooks() -> RawHooks:

@@ -145,6 +145,8 @@ def _routed_to(
     def make_entry(*args: Any, **kwargs: Any) -> Any:
         try:
             return original_make_entry(*args, **kwargs)
+        except compat.CONTROL_FLOW_EXCEPTIONS:
+            raise
         except Exception as err:
             slot.save_error = f"the compiled graphs are not serializable: {err}"
             return None
@@ -157,6 +159,8 @@ def _routed_to(
             if entry is not None:
                 entry.pre_save()
                 slot.saved = pickle.dumps(entry)
+        except compat.CONTROL_FLOW_EXCEPTIONS:
+            raise
         except Exception as err:
             slot.save_error = f"{type(err).__name__}: {err}"
         if on_save is not None:

@@ -65,6 +65,8 @@ def trace_hook(
         refusal = exc.to_unsupported()
         log.debug("hook %s refused: %s", func.__qualname__, refusal)
         return refusal
+    except _torch_compat.CONTROL_FLOW_EXCEPTIONS:
+        raise
     except Exception as exc:  # a tracer bug must never become a wrong trace
         log.warning("hook tracer failed on %s", func.__qualname__, exc_info=True)
         return HookUnsupported(
