@@ -152,6 +152,8 @@ class CapturedStep(Generic[P, R]):
         self._rerecords: list[str] = []
         self._budget_skips = 0
         self._made = 0
+        #: eager calls made for new guard sets after the first warm-up
+        self._extra_warm = 0
         self._last_mismatch: GuardMismatch | None = None
 
     # --- per call ----------------------------------------------------------------------------
@@ -243,17 +245,31 @@ class CapturedStep(Generic[P, R]):
             self._uncaptured += 1
             return self.fn(*args, **kwargs)
         if self._recordings:
-            mismatch = self._recordings[-1].guard.mismatch(
-                self._recordings[-1].probe.read(leaves, tree)
-            )
-            self._last_mismatch = mismatch
-        warmup = max(1, self.options.capture_step_warmup)
-        if not self._recordings and self._warm < warmup:
+            last = self._recordings[-1]
+            self._last_mismatch = last.guard.mismatch(last.probe.read(leaves, tree))
+        elif self._pending is not None:
+            self._last_mismatch = self._pending.mismatch(current, ignore_grads=True)
+        if not self._recordings and self._warm < self.options.capture_step_warmup:
             return self._warm_up(args, kwargs, probe, current, leaves, tree)
+        budget = self.options.capture_step_max_recordings
+        if len(self._recordings) < budget and any(
+            r.guard.mismatch(current, ignore_grads=True) is None for r in self._recordings
+        ):
+            # Only the gradients differ (accumulation into existing ones, or a first
+            # micro-step after zero_grad): nothing compiles anew, capture right away.
+            return self._capture(args, kwargs, probe, current, leaves, tree)
+        # NOTE: a new guard set gets one eager call (it may compile) before its
+        # capture; guard sets that change on every call (a float lr stepped by a
+        # scheduler) spend the budget through these calls and never capture.
         if self._pending is None or self._pending.mismatch(current, ignore_grads=True) is not None:
+            if self._extra_warm >= budget or len(self._recordings) >= budget:
+                self._budget_spent(current)
+                self._uncaptured += 1
+                return self.fn(*args, **kwargs)
+            self._extra_warm += 1 if self._warm >= self.options.capture_step_warmup else 0
             return self._warm_up(args, kwargs, probe, current, leaves, tree)
-        if len(self._recordings) >= max(1, self.options.capture_step_max_recordings):
-            self._budget_spent()
+        if len(self._recordings) >= budget:
+            self._budget_spent(current)
             self._uncaptured += 1
             return self.fn(*args, **kwargs)
         return self._capture(args, kwargs, probe, current, leaves, tree)
@@ -428,16 +444,18 @@ class CapturedStep(Generic[P, R]):
             self._refuse(_python_state(self.fn, changed))
         return result  # type: ignore[no-any-return]
 
-    def _budget_spent(self) -> None:
+    def _budget_spent(self, current: StepGuard) -> None:
         self._budget_skips += 1
+        self._pending = current
         if self._budget_skips > 1:
             return
         limit = self.options.capture_step_max_recordings
         reason = StepUnsupported(
             StepRefusal.RECORDING_BUDGET,
             call_site(self.fn, ""),
-            f"{len(self._recordings)} recordings made (capture_step_max_recordings={limit}) "
-            f"and the guard failed again ({self._last_mismatch}); new guard sets run uncaptured",
+            f"{len(self._recordings)} recordings and {self._extra_warm} calls for new guard sets "
+            f"made (capture_step_max_recordings={limit}) and the guard failed again "
+            f"({self._last_mismatch}); new guard sets run uncaptured",
             "keep shapes, parameters and float hyperparameters fixed (use a tensor lr), "
             "or raise capture_step_max_recordings",
         )
