@@ -457,3 +457,17 @@ def test_dropped_output_is_not_copied_and_a_held_view_forbids_the_replay() -> No
     del view
     assert step._protect_outputs(rec)
     assert copy.copy(static).tolist() == [0.0, 1.0, 2.0]
+
+
+# --- docs ---------------------------------------------------------------------------------------
+
+
+def test_every_refusal_and_guard_kind_is_documented() -> None:
+    from pathlib import Path
+
+    from torchloom._step_guard import GuardKind as Kind
+
+    text = (Path(HERE).resolve().parents[3] / "docs" / "capture_step.md").read_text()
+    missing = [k.name for k in StepRefusal if f"`{k.name}`" not in text]
+    missing += [k.value for k in Kind if f"`{k.value}`" not in text]
+    assert not missing, f"docs/capture_step.md lacks {missing}"
