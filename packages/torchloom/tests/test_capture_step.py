@@ -419,6 +419,7 @@ def _recording_with_output(static: torch.Tensor) -> _Recording:
         replay=lambda: None,
         arg_idx=[],
         bufs=[],
+        fill=[],
         out_tree=None,
         outs=[static],
         out_watch=[],
@@ -471,3 +472,269 @@ def test_every_refusal_and_guard_kind_is_documented() -> None:
     missing = [k.name for k in StepRefusal if f"`{k.name}`" not in text]
     missing += [k.value for k in Kind if f"`{k.value}`" not in text]
     assert not missing, f"docs/capture_step.md lacks {missing}"
+
+
+# --- the captured path, simulated on the host ---------------------------------------------------
+
+
+class _HostGraph:
+    """A replay that runs the step again and writes its results where the capture
+    left them (the exit gradients, the static outputs), as a CUDA replay would."""
+
+    def __init__(
+        self, fn: Callable[[], Any], out: Any, params: list[torch.Tensor], entry: list[Any]
+    ) -> None:
+        self.fn = fn
+        self.outs, _ = tree_flatten(out)
+        self.params = params
+        self.entry = entry
+        self.exit_grads = [p.grad for p in params]
+
+    def replay(self) -> None:
+        # The graph starts from the gradients the capture started from (None: assign).
+        for p, e in zip(self.params, self.entry, strict=True):
+            if p.grad is not e:
+                p.grad = e
+        fresh, _ = tree_flatten(self.fn())
+        with torch.no_grad():
+            for p, x in zip(self.params, self.exit_grads, strict=True):
+                if x is not None and p.grad is not None and p.grad is not x:
+                    x.copy_(p.grad)
+            for static, new in zip(self.outs, fresh, strict=True):
+                if isinstance(static, torch.Tensor) and static is not new:
+                    static.copy_(new)
+
+
+class HostStepDevice:
+    """``capture`` runs the step once and then restores every value it changed
+    (a CUDA capture runs nothing); ``replay`` runs it again (see :class:`_HostGraph`)."""
+
+    type = "cpu"
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, fail: bool = False) -> None:
+        self.model, self.opt, self.fail = model, opt, fail
+        self.captures = 0
+
+    def available(self) -> bool:
+        return True
+
+    def warm_up(self, fn: Callable[[], Any], syncs: list[Any]) -> Any:
+        return fn()
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        self.captures += 1
+        params = list(self.model.parameters())
+        if self.fail:
+            for p in params:
+                p.grad = torch.full_like(p, float("nan"))
+            raise RuntimeError("operation not permitted when stream is capturing")
+        values = [p.detach().clone() for p in params]
+        grads = [(p.grad, None if p.grad is None else p.grad.clone()) for p in params]
+        state = {
+            id(t): (t, t.clone())
+            for s in self.opt.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        }
+        out = fn()
+        with torch.no_grad():
+            for p, v in zip(params, values, strict=True):
+                p.copy_(v)
+            for g, v in grads:
+                if g is not None and v is not None:
+                    g.copy_(v)
+            for t, v in state.values():
+                t.copy_(v)
+        return _HostGraph(fn, out, params, [g for g, _ in grads]), out
+
+    def replayer(self, graph: Any) -> Callable[[], object]:
+        return graph.replay  # type: ignore[no-any-return]
+
+
+def _host_pair(
+    make_step: Callable[[nn.Module, torch.optim.Optimizer], Callable[..., Any]] = _make_step,
+    fail: bool = False,
+    **options: Any,
+) -> tuple[
+    Callable[..., Any],
+    CapturedStep[Any, Any],
+    tuple[nn.Module, torch.optim.Optimizer],
+    tuple[nn.Module, torch.optim.Optimizer],
+    HostStepDevice,
+]:
+    m1, m2 = _mlp(), _mlp()
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.05, momentum=0.9)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.05, momentum=0.9)
+    device = HostStepDevice(m2, o2, fail)
+    step = CapturedStep(
+        make_step(m2, o2), torchloom.resolve_options(options=options, env={}), device=device
+    )
+    return make_step(m1, o1), step, (m1, o1), (m2, o2), device
+
+
+def _same(a: nn.Module, b: nn.Module) -> None:
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+def _check_run(
+    eager: Callable[..., Any], step: Callable[..., Any], batches: list[Any]
+) -> list[Any]:
+    got = []
+    for args in batches:
+        want = eager(*args)
+        got.append((step(*args), want))
+    for k, (g, w) in enumerate(got):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m, k=k: f"call {k}: {m}")
+    return got
+
+
+def test_host_captured_step_replays_and_matches_eager() -> None:
+    eager, step, (m1, _), (m2, _), device = _host_pair()
+    _check_run(eager, step, _batches(10))
+    _same(m1, m2)
+    s = step.stats()
+    assert (s.warmup_calls, s.recordings, s.replays, s.uncaptured_calls) == (3, 1, 7, 0), s.format()
+    assert device.captures == 1 and s.refusal is None
+
+
+def test_host_changed_batch_records_again_and_old_recording_still_replays() -> None:
+    eager, step, (m1, _), (m2, _), _ = _host_pair()
+    sizes = [16] * 5 + [8] * 4 + [16] * 3
+    _check_run(eager, step, [_batches(i + 1, b)[-1] for i, b in enumerate(sizes)])
+    _same(m1, m2)
+    s = step.stats()
+    assert s.recordings == 2 and s.replays == len(sizes) - 4, s.format()
+    assert "[8, 4]" in s.rerecords[0]
+
+
+def test_host_float_lr_change_records_again() -> None:
+    eager, step, (m1, o1), (m2, o2), _ = _host_pair()
+    for i, args in enumerate(_batches(10)):
+        if i == 5:
+            o1.param_groups[0]["lr"] = o2.param_groups[0]["lr"] = 0.01
+        torch.testing.assert_close(step(*args), eager(*args), rtol=0, atol=0)
+    _same(m1, m2)
+    assert step.stats().recordings == 2
+    assert "['lr'] was 0.05 at capture, is 0.01 now" in step.stats().rerecords[0]
+
+
+def test_host_float_lr_every_call_spends_the_budget_once() -> None:
+    torchloom.reset()
+    eager, step, (m1, o1), (m2, o2), _ = _host_pair(capture_step_max_recordings=2)
+    for args in _batches(10):
+        torch.testing.assert_close(step(*args), eager(*args), rtol=0, atol=0)
+        for o in (o1, o2):
+            o.param_groups[0]["lr"] *= 0.9
+    _same(m1, m2)
+    budget = [e for e in torchloom.report().entries("capture_step") if e.kind == "budget"]
+    assert len(budget) == 1 and "['lr']" in budget[0].message
+    assert step.stats().budget_skips == 10 - 3 - 2
+
+
+def test_host_gradient_accumulation_over_several_calls() -> None:
+    def micro(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., Any]:
+        def micro_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.mse_loss(model(x), y) / 4
+            loss.backward()
+            return loss
+
+        return micro_step
+
+    eager, step, (m1, o1), (m2, o2), _ = _host_pair(micro)
+    batches = _batches(20)
+    for outer in range(5):
+        _check_run(eager, step, batches[outer * 4 : outer * 4 + 4])
+        for p, q in zip(m1.parameters(), m2.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+        for o in (o1, o2):
+            o.step()
+            o.zero_grad()
+    _same(m1, m2)
+    s = step.stats()
+    assert s.recordings == 3 and s.replays == 17 and s.refusal is None, s.format()
+
+
+def test_host_in_place_zeroing() -> None:
+    eager, step, (m1, _), (m2, _), _ = _host_pair(lambda m, o: _zero_in_place_step(m, o))
+    _check_run(eager, step, _batches(8))
+    _same(m1, m2)
+    assert step.stats().recordings == 1 and step.stats().replays == 5
+
+
+def _zero_in_place_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., Any]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def test_host_held_losses_stay_correct() -> None:
+    eager, step, _, _, _ = _host_pair()
+    got = _check_run(eager, step, _batches(10))
+    torch.testing.assert_close(torch.stack([g for g, _ in got]), torch.stack([w for _, w in got]))
+
+
+def test_host_parameter_replaced_between_steps_records_again() -> None:
+    eager, step, (m1, o1), (m2, o2), _ = _host_pair()
+    for i, args in enumerate(_batches(10)):
+        if i == 5:
+            for m, o in ((m1, o1), (m2, o2)):
+                new = nn.Parameter(m[3].weight.detach() * 0.5)
+                m[3].weight = new
+                o.param_groups[0]["params"][2] = new
+        torch.testing.assert_close(step(*args), eager(*args), rtol=0, atol=0)
+    _same(m1, m2)
+    s = step.stats()
+    assert s.recordings == 2 and "model.3.weight" in s.rerecords[0], s.format()
+
+
+def test_host_python_state_changed_inside_the_step_is_refused() -> None:
+    def decaying(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., Any]:
+        inner = _make_step(model, opt)
+
+        def decaying_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.param_groups[0]["lr"] *= 0.9
+            return inner(x, y)
+
+        return decaying_step
+
+    eager, step, (m1, _), (m2, _), device = _host_pair(decaying)
+    _check_run(eager, step, _batches(6))
+    _same(m1, m2)
+    reason = step.stats().refusal
+    assert reason is not None and reason.kind is StepRefusal.PYTHON_STATE
+    assert "['lr']" in reason.explanation and device.captures == 0
+
+
+def test_host_python_output_is_refused_after_its_call() -> None:
+    def returns_float(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., Any]:
+        inner = _make_step(model, opt)
+        return lambda x, y: (inner(x, y), 1.5)
+
+    eager, step, (m1, _), (m2, _), _ = _host_pair(returns_float)
+    _check_run(eager, step, _batches(6))
+    _same(m1, m2)
+    reason = step.stats().refusal
+    assert reason is not None and reason.kind is StepRefusal.HOST_OUTPUT
+
+
+def test_host_capture_failure_restores_gradients_and_runs_eagerly() -> None:
+    eager, step, (m1, _), (m2, _), _ = _host_pair(fail=True)
+    _check_run(eager, step, _batches(6))
+    _same(m1, m2)
+    reason = step.stats().refusal
+    assert reason is not None and reason.kind is StepRefusal.CAPTURE_FAILED
+    assert "operation not permitted" in reason.explanation
+
+
+def test_host_refusal_raises_under_or_error() -> None:
+    _, step, _, _, _ = _host_pair(fail=True, cudagraph_or_error=True)
+    for args in _batches(3):
+        step(*args)
+    with pytest.raises(torchloom.CaptureStepError, match="capture_failed"):
+        step(*_batches(4)[-1])

@@ -28,7 +28,7 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Generic, ParamSpec, TextIO, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TextIO, TypeVar
 
 import torch
 
@@ -57,7 +57,7 @@ from torchloom._step_refusals import (
     sync_refusal,
 )
 
-__all__ = ["CapturedStep", "StepStats", "capture_step"]
+__all__ = ["CapturedStep", "CudaStepDevice", "StepDevice", "StepStats", "capture_step"]
 
 log = logging.getLogger("torchloom.capture_step")
 
@@ -112,6 +112,8 @@ class _Recording:
     #: leaf index of each tensor argument, and the buffer the graph reads it from
     arg_idx: list[int]
     bufs: list[torch.Tensor]
+    #: the buffers detached (an argument that requires grad has a leaf buffer that does too)
+    fill: list[torch.Tensor]
     out_tree: Any
     outs: list[Any]
     #: (position in ``outs``, use-count baseline) of each tensor output
@@ -125,14 +127,67 @@ class _Recording:
     handed: list[weakref.ref[torch.Tensor] | None] = dataclasses.field(default_factory=list)
 
 
-def _is_cuda_tensor(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and v.device.type == "cuda"
+class StepDevice(Protocol):
+    """How a step is warmed up, captured and replayed (CUDA; tests pass a host stand-in)."""
+
+    #: the device type whose tensors a capture reads and writes
+    type: str
+
+    def available(self) -> bool: ...
+
+    def warm_up(self, fn: Callable[[], Any], syncs: list[StepUnsupported]) -> Any:
+        """Run ``fn`` eagerly; append each host synchronization it makes to ``syncs``."""
+        ...
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        """Record ``fn`` (running nothing); return the graph and ``fn``'s result."""
+        ...
+
+    def replayer(self, graph: Any) -> Callable[[], object]: ...
+
+
+class CudaStepDevice:
+    """Warm-up on a side stream under CUDA's sync debug mode; capture with
+    ``torch.cuda.graph`` into a new memory pool per recording."""
+
+    type = "cuda"
+
+    def __init__(self) -> None:
+        self._stream: torch.cuda.Stream | None = None
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def warm_up(self, fn: Callable[[], Any], syncs: list[StepUnsupported]) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side = self._stream
+        side.wait_stream(torch.cuda.current_stream())
+        with _watch_syncs(syncs), torch.cuda.stream(side):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+            out = fn()
+        return graph, out
+
+    def replayer(self, graph: Any) -> Callable[[], object]:
+        return compat.step_graph_replay(graph)
 
 
 class CapturedStep(Generic[P, R]):
     """The callable :func:`capture_step` returns; call it as the step itself."""
 
-    def __init__(self, fn: Callable[P, R], options: LoomOptions, track: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        fn: Callable[P, R],
+        options: LoomOptions,
+        track: Sequence[Any] = (),
+        device: StepDevice | None = None,
+    ) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.options = options
@@ -145,13 +200,15 @@ class CapturedStep(Generic[P, R]):
         self._refusal: StepUnsupported | None = None
         #: guard (gradients ignored) of the last eager warm-up call, for re-records
         self._pending: StepGuard | None = None
-        self._stream: torch.cuda.Stream | None = None
+        self.device: StepDevice = device or CudaStepDevice()
         self._warm = 0
         self._replays = 0
         self._uncaptured = 0
         self._rerecords: list[str] = []
         self._budget_skips = 0
         self._made = 0
+        #: whether the last warm-up call changed Python state the guard reads
+        self._changed_last = False
         #: eager calls made for new guard sets after the first warm-up
         self._extra_warm = 0
         self._last_mismatch: GuardMismatch | None = None
@@ -174,12 +231,12 @@ class CapturedStep(Generic[P, R]):
         replay is held through a view that the replay would overwrite."""
         if not self._protect_outputs(rec):
             return _HELD
-        if rec.bufs:
+        if rec.fill:
             srcs = [leaves[i] for i in rec.arg_idx]
             if len(srcs) == 1:
-                rec.bufs[0].copy_(srcs[0])
+                rec.fill[0].copy_(srcs[0])
             else:
-                compat.step_foreach_copy_(rec.bufs, srcs)
+                compat.step_foreach_copy_(rec.fill, srcs)
         rec.replay()
         for p, g in zip(rec.params, rec.exit_grads, strict=True):
             if p.grad is not g:
@@ -282,15 +339,16 @@ class CapturedStep(Generic[P, R]):
         """Refusals that need no call: no CUDA, optimizers, gradient scalers."""
         assert self._targets is not None
         targets = self._targets
-        on_cuda = (
-            any(_is_cuda_tensor(v) for v in leaves)
-            or any(p.device.type == "cuda" for p in targets.params())
-            or any(t.device.type == "cuda" for _, t in targets.tensors)
+        dev = self.device.type
+        on_device = (
+            any(isinstance(v, torch.Tensor) and v.device.type == dev for v in leaves)
+            or any(p.device.type == dev for p in targets.params())
+            or any(t.device.type == dev for _, t in targets.tensors)
         )
-        if not torch.cuda.is_available() or not on_cuda:
+        if not self.device.available() or not on_device:
             why = (
                 "no CUDA device is available"
-                if not torch.cuda.is_available()
+                if not self.device.available()
                 else ("the step's arguments, parameters and tensors are not on a CUDA device")
             )
             return StepUnsupported(
@@ -300,12 +358,12 @@ class CapturedStep(Generic[P, R]):
                 "nothing to do: capture_step captures CUDA steps",
                 cuda_work=False,
             )
-        found = optimizer_refusals(self.fn, targets) + scaler_refusals(self.fn, targets)
+        found = optimizer_refusals(self.fn, targets, dev) + scaler_refusals(self.fn, targets)
         return found[0] if found else None
 
     def _host_argument(self, leaves: Sequence[Any]) -> StepUnsupported | None:
         for i, v in enumerate(leaves):
-            if isinstance(v, torch.Tensor) and v.device.type != "cuda":
+            if isinstance(v, torch.Tensor) and v.device.type != self.device.type:
                 return StepUnsupported(
                     StepRefusal.HOST_ARGUMENT,
                     call_site(self.fn, ""),
@@ -313,11 +371,6 @@ class CapturedStep(Generic[P, R]):
                     "move it to the device before the call (x.cuda(non_blocking=True))",
                 )
         return None
-
-    def _side_stream(self) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        return self._stream
 
     def _warm_up(
         self,
@@ -329,24 +382,24 @@ class CapturedStep(Generic[P, R]):
         tree: Any,
     ) -> R:
         """One eager call on a side stream, watching for host synchronizations and
-        for Python state that the step changes (a replay would not)."""
-        first = self._warm == 0 and not self._recordings
+        for Python state that the step changes (a replay would not).
+
+        A call may change Python state once (an optimizer's lazy state for a new
+        parameter); two warm-up calls in a row that change it are refused.
+        """
         self._warm += 1
         syncs: list[StepUnsupported] = []
-        side = self._side_stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with _watch_syncs(syncs), loom_cudagraph.suspended(), torch.cuda.stream(side):
-            out = self.fn(*args, **kwargs)
-        torch.cuda.current_stream().wait_stream(side)
-        after = probe.read(leaves, tree)
+        with loom_cudagraph.suspended():
+            out = self.device.warm_up(lambda: self.fn(*args, **kwargs), syncs)
+        after = probe.read(leaves, tree, named=True)
+        changed = before.mismatch(after, ignore_grads=True)
         if syncs:
             self._refuse(syncs[0])
-        elif not first:
-            changed = before.mismatch(after, ignore_grads=True)
-            if changed is not None:
-                self._refuse(_python_state(self.fn, changed))
-        self._pending = before
-        return out
+        elif changed is not None and self._changed_last:
+            self._refuse(_python_state(self.fn, changed))
+        self._changed_last = changed is not None
+        self._pending = after
+        return out  # type: ignore[no-any-return]
 
     def _capture(
         self,
@@ -367,11 +420,9 @@ class CapturedStep(Generic[P, R]):
         s_args, s_kwargs = tree_unflatten(static, tree)
         params = probe.params
         entry = [p.grad for p in params]
-        graph = torch.cuda.CUDAGraph()
-        pool = torch.cuda.graph_pool_handle()
         try:
-            with loom_cudagraph.suspended(), torch.cuda.graph(graph, pool=pool):
-                out = self.fn(*s_args, **s_kwargs)
+            with loom_cudagraph.suspended():
+                graph, out = self.device.capture(lambda: self.fn(*s_args, **s_kwargs))
         except RuntimeError as exc:
             for p, g in zip(params, entry, strict=True):
                 p.grad = g
@@ -401,9 +452,10 @@ class CapturedStep(Generic[P, R]):
             guard=dataclasses.replace(current, grads=expect),
             probe=probe,
             graph=graph,
-            replay=graph.replay,
+            replay=self.device.replayer(graph),
             arg_idx=arg_idx,
             bufs=bufs,
+            fill=[b.detach() for b in bufs],
             out_tree=out_tree,
             outs=outs,
             out_watch=[],

@@ -61,6 +61,7 @@ __all__ = [
     "segment_codegen_strides",
     "static_input_indices",
     "step_foreach_copy_",
+    "step_graph_replay",
     "step_storage_use_count",
     "step_tree_flatten",
     "step_tree_unflatten",
@@ -418,3 +419,10 @@ def step_storage_use_count(t: torch.Tensor) -> int:
 def step_foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for every ``i``, as one fused op."""
     torch._foreach_copy_(list(dst), list(src))
+
+
+def step_graph_replay(graph: Any) -> Callable[[], object]:
+    """``graph.replay`` bound to the C++ method, past ``torch.cuda.CUDAGraph``'s Python
+    override (which only calls ``super().replay()``)."""
+    replay: Callable[[], object] = torch._C._CUDAGraph.replay.__get__(graph)
+    return replay
