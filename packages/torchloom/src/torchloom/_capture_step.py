@@ -170,8 +170,15 @@ class CudaStepDevice:
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
-            out = fn()
+        stream = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+                out = fn()
+        except BaseException:
+            # NOTE: torch.cuda.graph's __exit__ leaves its capture stream current
+            # when capture_end raises.
+            torch.cuda.set_stream(stream)
+            raise
         return graph, out
 
     def replayer(self, graph: Any) -> Callable[[], object]:
@@ -461,7 +468,7 @@ class CapturedStep(Generic[P, R]):
             out_watch=[],
             params=params,
             exit_grads=exit_grads,
-            held=[*probe.held(), *entry],
+            held=probe.held(),
         )
         rec.out_watch = [
             (k, compat.step_storage_use_count(o))

@@ -354,7 +354,8 @@ class StepProbe:
         )
 
     def held(self) -> list[Any]:
-        """The objects a guard names by id: a recording keeps them alive."""
+        """The objects a guard names by id: a recording keeps them alive (so that
+        no new object can take one's id while the guard lives)."""
         objects: list[Any] = []
         for d, _ in self._dicts:
             objects.extend(d.values())
