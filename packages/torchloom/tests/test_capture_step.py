@@ -425,6 +425,7 @@ def _recording_with_output(static: torch.Tensor) -> _Recording:
         out_watch=[],
         params=[],
         exit_grads=[],
+        exit_ids=[],
         held=[],
     )
     rec.out_watch = [(0, step_storage_use_count(static))]
@@ -738,3 +739,24 @@ def test_host_refusal_raises_under_or_error() -> None:
         step(*args)
     with pytest.raises(torchloom.CaptureStepError, match="capture_failed"):
         step(*_batches(4)[-1])
+
+
+@pytest.mark.parametrize("change", ["moved_data", "frozen", "new_state_tensor", "lr_value"])
+def test_host_fast_path_sees_every_change(change: str) -> None:
+    eager, step, (m1, o1), (m2, o2), _ = _host_pair()
+    for i, args in enumerate(_batches(10)):
+        if i == 6:
+            for m, o in ((m1, o1), (m2, o2)):
+                if change == "moved_data":
+                    m[0].bias.data = m[0].bias.data.clone()
+                elif change == "frozen":
+                    m[0].bias.requires_grad_(False)
+                elif change == "new_state_tensor":
+                    p = m[0].weight
+                    o.state[p]["momentum_buffer"] = o.state[p]["momentum_buffer"].clone()
+                else:
+                    o.param_groups[0]["momentum"] = 0.5
+        torch.testing.assert_close(step(*args), eager(*args), rtol=0, atol=0)
+    _same(m1, m2)
+    s = step.stats()
+    assert s.recordings == 2 and s.replays == 10 - 4, s.format()  # 3 warm-ups, 1 for the change

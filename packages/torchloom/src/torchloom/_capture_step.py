@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import operator
 import traceback
 import warnings
 import weakref
@@ -38,11 +39,13 @@ from torchloom._options import LoomOptions, LoomOptionsError, resolve_options
 from torchloom._report import GraphRecordBuilder, new_record
 from torchloom._step_guard import (
     ANY_TENSOR,
+    FastKey,
     GuardMismatch,
     StepGuard,
     StepProbe,
     StepTargets,
     find_targets,
+    mode_state,
     tree_flatten,
     tree_unflatten,
 )
@@ -60,6 +63,8 @@ from torchloom._step_refusals import (
 __all__ = ["CapturedStep", "CudaStepDevice", "StepDevice", "StepStats", "capture_step"]
 
 log = logging.getLogger("torchloom.capture_step")
+
+_GRAD = operator.attrgetter("grad")
 
 #: What ``_replay`` returns when it must not replay (a view of a held output would change).
 _HELD: Any = object()
@@ -121,8 +126,17 @@ class _Recording:
     #: what each parameter's ``.grad`` is after the step
     params: list[torch.Tensor]
     exit_grads: list[torch.Tensor | None]
+    exit_ids: list[int]
     #: every object the guard names by id, kept alive so that ids stay unique
     held: list[Any]
+    #: the per-call check (see ``StepProbe.fast_key``) and the gradients it expects
+    fast: FastKey | None = None
+    fast_grads: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    #: per positional argument, what the fast path compares (``None``: arguments
+    #: that are not flat go through the full guard)
+    arg_specs: list[Any] | None = None
+    #: the step returned one tensor (its output needs no unflattening)
+    single_output: bool = False
     #: the output tensors handed out by the last replay (weakly: the caller holds them)
     handed: list[weakref.ref[torch.Tensor] | None] = dataclasses.field(default_factory=list)
 
@@ -226,14 +240,21 @@ class CapturedStep(Generic[P, R]):
         if self._refusal is not None:
             self._uncaptured += 1
             return self.fn(*args, **kwargs)
-        leaves, tree = tree_flatten((args, kwargs))
         rec = self._last
-        if rec is not None and rec.guard.mismatch(rec.probe.read(leaves, tree)) is None:
-            out = self._replay(rec, leaves)
+        if (
+            rec is not None
+            and rec.fast is not None
+            and not kwargs
+            and _args_match(rec.arg_specs, args)
+            and mode_state() == rec.guard.modes
+            and rec.probe.fast_matches(rec.fast)
+        ):
+            out = self._replay(rec, args)
             return self._eager(args, kwargs) if out is _HELD else out  # type: ignore[no-any-return]
+        leaves, tree = tree_flatten((args, kwargs))
         return self._slow(args, kwargs, leaves, tree)
 
-    def _replay(self, rec: _Recording, leaves: list[Any]) -> Any:
+    def _replay(self, rec: _Recording, leaves: Sequence[Any]) -> Any:
         """Replay ``rec`` for these arguments; ``_HELD`` when an output of the last
         replay is held through a view that the replay would overwrite."""
         if not self._protect_outputs(rec):
@@ -245,9 +266,10 @@ class CapturedStep(Generic[P, R]):
             else:
                 compat.step_foreach_copy_(rec.fill, srcs)
         rec.replay()
-        for p, g in zip(rec.params, rec.exit_grads, strict=True):
-            if p.grad is not g:
-                p.grad = g
+        if list(map(id, map(_GRAD, rec.params))) != rec.exit_ids:
+            for p, g in zip(rec.params, rec.exit_grads, strict=True):
+                if p.grad is not g:
+                    p.grad = g
         self._replays += 1
         outs = list(rec.outs)
         handed: list[weakref.ref[torch.Tensor] | None] = [None] * len(outs)
@@ -255,7 +277,7 @@ class CapturedStep(Generic[P, R]):
             outs[pos] = alias = outs[pos].detach()
             handed[pos] = weakref.ref(alias)
         rec.handed = handed
-        return tree_unflatten(outs, rec.out_tree)
+        return outs[0] if rec.single_output else tree_unflatten(outs, rec.out_tree)
 
     def _protect_outputs(self, rec: _Recording) -> bool:
         """Move each output of the last replay that the caller still holds to fresh
@@ -294,6 +316,7 @@ class CapturedStep(Generic[P, R]):
         probe = StepProbe(self._targets)
         for rec in self._recordings:
             if rec.guard.mismatch(rec.probe.read(leaves, tree)) is None:
+                rec.fast = rec.probe.fast_key(rec.probe.fast_objects(), rec.fast_grads)
                 self._last = rec
                 out = self._replay(rec, leaves)
                 return self._eager(args, kwargs) if out is _HELD else out  # type: ignore[no-any-return]
@@ -447,6 +470,7 @@ class CapturedStep(Generic[P, R]):
                 p.grad = g
             raise
         exit_grads = [p.grad for p in params]
+        out_single = isinstance(out, torch.Tensor)
         out_leaves, out_tree = tree_flatten(out)
         del out
         expect = tuple(
@@ -468,6 +492,7 @@ class CapturedStep(Generic[P, R]):
             out_watch=[],
             params=params,
             exit_grads=exit_grads,
+            exit_ids=list(map(id, exit_grads)),
             held=probe.held(),
         )
         rec.out_watch = [
@@ -485,7 +510,11 @@ class CapturedStep(Generic[P, R]):
             "recorded", f"recording {len(self._recordings)}: {self._guard_summary(current)}"
         )
         log.debug("capture_step %s: recorded (%d)", self._name, len(self._recordings))
+        rec.arg_specs = _arg_specs(args, kwargs, leaves)
+        rec.single_output = len(outs) == 1 and out_single
         result = self._replay(rec, leaves)
+        rec.fast_grads = [None if e is None else x for e, x in zip(entry, exit_grads, strict=True)]
+        rec.fast = probe.fast_key(probe.fast_objects(), rec.fast_grads)
         host = [type(o).__name__ for o in outs if o is not None and not isinstance(o, torch.Tensor)]
         after = probe.read(leaves, tree)
         changed = current.mismatch(after, ignore_grads=True)
@@ -567,6 +596,36 @@ class CapturedStep(Generic[P, R]):
             rerecords=tuple(self._rerecords),
             budget_skips=self._budget_skips,
         )
+
+
+def _arg_specs(args: Sequence[Any], kwargs: Any, leaves: Sequence[Any]) -> list[Any] | None:
+    """What the fast path compares per positional argument, when the arguments
+    are flat (no keywords, no containers); ``None`` otherwise."""
+    if (
+        kwargs
+        or len(leaves) != len(args)
+        or any(a is not v for a, v in zip(args, leaves, strict=True))
+    ):
+        return None
+    return [_arg_spec(a) for a in args]
+
+
+def _arg_spec(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return (a.shape, a.dtype, a.device, a.requires_grad)
+    return (type(a), a)
+
+
+def _args_match(specs: list[Any] | None, args: Sequence[Any]) -> bool:
+    if specs is None or len(specs) != len(args):
+        return False
+    for spec, a in zip(specs, args, strict=True):
+        if isinstance(a, torch.Tensor):
+            if spec != (a.shape, a.dtype, a.device, a.requires_grad):
+                return False
+        elif type(a) is not spec[0] or a != spec[1]:
+            return False
+    return True
 
 
 def _python_state(fn: Callable[..., Any], changed: GuardMismatch) -> StepUnsupported:
