@@ -25,7 +25,9 @@ from torchloom._step_guard import (
     tree_flatten,
 )
 from torchloom._step_refusals import (
+    SYNC_WARNING,
     StepRefusal,
+    collect_syncs,
     optimizer_refusals,
     scaler_refusals,
     sync_refusal,
@@ -386,6 +388,31 @@ def test_sync_refusal_names_the_users_line_and_op() -> None:
     assert reason.where == f"{HERE}:{line} in step_with_item"
     assert reason.op.startswith("stack = traceback.extract_stack()")
     assert f"at {HERE}:{line}" in str(reason)
+
+
+def test_sync_warning_becomes_a_refusal_at_the_users_line() -> None:
+    import warnings
+
+    def step_with_sync(x: torch.Tensor) -> torch.Tensor:
+        warnings.warn(SYNC_WARNING, UserWarning, stacklevel=1)  # what .item() issues
+        return x
+
+    found: list[Any] = []
+    with collect_syncs(found):
+        step_with_sync(torch.ones(1))
+    (reason,) = found
+    line = _line_of(step_with_sync, "warnings.warn(")
+    assert reason.where == f"{HERE}:{line} in step_with_sync"
+    assert reason.op.startswith("warnings.warn(SYNC_WARNING")
+
+
+def test_other_warnings_are_still_shown() -> None:
+    import warnings
+
+    found: list[Any] = []
+    with pytest.warns(UserWarning, match="unrelated"), collect_syncs(found):
+        warnings.warn("unrelated", UserWarning, stacklevel=1)
+    assert found == []
 
 
 def test_sync_from_compile_machinery_is_not_the_steps() -> None:

@@ -25,11 +25,9 @@ import dataclasses
 import functools
 import logging
 import operator
-import traceback
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Generic, ParamSpec, Protocol, TextIO, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -55,9 +53,9 @@ from torchloom._step_refusals import (
     StepUnsupported,
     autocast_refusal,
     call_site,
+    collect_syncs,
     optimizer_refusals,
     scaler_refusals,
-    sync_refusal,
 )
 
 __all__ = ["CapturedStep", "CudaStepDevice", "StepDevice", "StepStats", "capture_step"]
@@ -640,29 +638,10 @@ def _python_state(fn: Callable[..., Any], changed: GuardMismatch) -> StepUnsuppo
 
 @contextlib.contextmanager
 def _watch_syncs(found: list[StepUnsupported]) -> Iterator[None]:
-    """Turn each host synchronization the block makes into a refusal (with the
+    """Each host synchronization the block makes becomes a refusal (with the
     user's source line), through CUDA's sync debug mode set to warn."""
     previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        show = warnings.showwarning
-
-        def hook(
-            message: Warning | str,
-            category: type[Warning],
-            filename: str,
-            lineno: int,
-            file: TextIO | None = None,
-            line: str | None = None,
-        ) -> None:
-            if "synchronizing" in str(message):
-                reason = sync_refusal(traceback.extract_stack()[:-1])
-                if reason is not None:
-                    found.append(reason)
-                return
-            show(message, category, filename, lineno, file, line)
-
-        warnings.showwarning = hook
+    with collect_syncs(found):
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield
