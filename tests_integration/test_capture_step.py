@@ -224,18 +224,21 @@ def test_held_losses_stay_correct_across_replays(cuda: torch.device) -> None:
     assert len({t.data_ptr() for t in got}) == len(got)
 
 
-def test_held_view_of_a_loss_runs_that_call_eagerly(cuda: torch.device) -> None:
+def test_held_views_of_losses_stay_correct(cuda: torch.device) -> None:
     (m1, o1), (m2, o2) = _pair(cuda)
     eager, step = _standard_step(m1, o1), torchloom.capture_step(_standard_step(m2, o2))
-    views = []
-    for i in range(8):
+    kept = []
+    for i in range(10):
         x, y = _batch(i, cuda)
         want = eager(x, y)
-        got = step(x, y)
-        views.append((got.view(1), want.view(1)))
-    for got_v, want_v in views:
-        torch.testing.assert_close(got_v, want_v, **TOL)
+        kept.append((step(x, y).detach(), want))  # losses.append(loss.detach())
+    for got, want in kept:
+        torch.testing.assert_close(got, want, **TOL)
     _assert_same_params(m1, m2)
+    stats = step.stats()
+    # The first held view pins the recording's output: one more recording, copying outputs.
+    assert stats.recordings == 2 and "view of an output" in stats.rerecords[0], stats.format()
+    assert stats.replays == 7 and stats.uncaptured_calls == 0
 
 
 # --- RNG --------------------------------------------------------------------------------------

@@ -787,3 +787,17 @@ def test_host_fast_path_sees_every_change(change: str) -> None:
     _same(m1, m2)
     s = step.stats()
     assert s.recordings == 2 and s.replays == 10 - 4, s.format()  # 3 warm-ups, 1 for the change
+
+
+def test_host_held_views_of_losses_stay_correct_and_switch_to_copies() -> None:
+    eager, step, (m1, _), (m2, _), device = _host_pair()
+    kept = []
+    for args in _batches(10):
+        want = eager(*args)
+        kept.append((step(*args).detach(), want))  # a second tensor on the output's memory
+    for k, (got, want) in enumerate(kept):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, k=k: f"call {k}: {m}")
+    _same(m1, m2)
+    s = step.stats()
+    assert s.recordings == 2 and "view of an output" in s.rerecords[0], s.format()
+    assert s.replays == 7 and s.uncaptured_calls == 0 and device.captures == 2

@@ -135,6 +135,8 @@ class _Recording:
     arg_specs: list[Any] | None = None
     #: the step returned one tensor (its output needs no unflattening)
     single_output: bool = False
+    #: outputs are returned as copies (a view of an earlier alias was held)
+    clone_outputs: bool = False
     #: the output tensors handed out by the last replay (weakly: the caller holds them)
     handed: list[weakref.ref[torch.Tensor] | None] = dataclasses.field(default_factory=list)
 
@@ -226,6 +228,8 @@ class CapturedStep(Generic[P, R]):
         self._rerecords: list[str] = []
         self._budget_skips = 0
         self._made = 0
+        #: return copies of outputs (set once a view of an output was held)
+        self._clone_outputs = False
         #: whether the last warm-up call changed Python state the guard reads
         self._changed_last = False
         #: eager calls made for new guard sets after the first warm-up
@@ -248,7 +252,8 @@ class CapturedStep(Generic[P, R]):
             and rec.probe.fast_matches(rec.fast)
         ):
             out = self._replay(rec, args)
-            return self._eager(args, kwargs) if out is _HELD else out  # type: ignore[no-any-return]
+            if out is not _HELD:
+                return out  # type: ignore[no-any-return]
         leaves, tree = tree_flatten((args, kwargs))
         return self._slow(args, kwargs, leaves, tree)
 
@@ -270,17 +275,23 @@ class CapturedStep(Generic[P, R]):
                     p.grad = g
         self._replays += 1
         outs = list(rec.outs)
-        handed: list[weakref.ref[torch.Tensor] | None] = [None] * len(outs)
-        for pos, _ in rec.out_watch:
-            outs[pos] = alias = outs[pos].detach()
-            handed[pos] = weakref.ref(alias)
-        rec.handed = handed
+        if rec.clone_outputs:
+            for pos, _ in rec.out_watch:
+                outs[pos] = outs[pos].clone()
+        else:
+            handed: list[weakref.ref[torch.Tensor] | None] = [None] * len(outs)
+            for pos, _ in rec.out_watch:
+                outs[pos] = alias = outs[pos].detach()
+                handed[pos] = weakref.ref(alias)
+            rec.handed = handed
         return outs[0] if rec.single_output else tree_unflatten(outs, rec.out_tree)
 
     def _protect_outputs(self, rec: _Recording) -> bool:
         """Move each output of the last replay that the caller still holds to fresh
         memory (the replay is about to overwrite the recording's); ``False`` when a
-        view of one is held too (it cannot be moved: the call runs eagerly)."""
+        view of one is held too (it cannot be moved)."""
+        if rec.clone_outputs:
+            return True
         for pos, baseline in rec.out_watch:
             extra = compat.step_storage_use_count(rec.outs[pos]) - baseline
             if extra == 0:
@@ -288,10 +299,6 @@ class CapturedStep(Generic[P, R]):
             ref = rec.handed[pos] if pos < len(rec.handed) else None
             alias = ref() if ref is not None else None
             if alias is None or extra != 1:
-                log.debug(
-                    "capture_step %s: a view of an output is held; this call runs eagerly",
-                    self._name,
-                )
                 return False
             with torch.no_grad():
                 copy = alias.clone()
@@ -317,7 +324,9 @@ class CapturedStep(Generic[P, R]):
                 rec.fast = rec.probe.fast_key(rec.probe.fast_objects(), rec.fast_grads)
                 self._last = rec
                 out = self._replay(rec, leaves)
-                return self._eager(args, kwargs) if out is _HELD else out  # type: ignore[no-any-return]
+                if out is not _HELD:
+                    return out  # type: ignore[no-any-return]
+                return self._record_again_cloning(rec, args, kwargs, leaves, tree)
         current = probe.read(leaves, tree, named=True)
         ambient = autocast_refusal(self.fn)
         if ambient is not None:
@@ -358,6 +367,23 @@ class CapturedStep(Generic[P, R]):
             self._uncaptured += 1
             return self.fn(*args, **kwargs)
         return self._capture(args, kwargs, probe, current, leaves, tree)
+
+    def _record_again_cloning(
+        self, rec: _Recording, args: Any, kwargs: Any, leaves: list[Any], tree: Any
+    ) -> R:
+        """A view of an output of ``rec`` is held, so ``rec`` may never replay again
+        (its static outputs are pinned); record its guard set anew, returning
+        copies of the outputs from now on."""
+        log.debug("capture_step %s: a view of an output is held; recording again", self._name)
+        self._clone_outputs = True
+        self._recordings.remove(rec)
+        self._last = None
+        assert self._targets is not None
+        probe = StepProbe(self._targets)
+        current = probe.read(leaves, tree, named=True)
+        self._last_mismatch = None
+        self._rerecords.append("a view of an output was held across calls (outputs are copied now)")
+        return self._capture(args, kwargs, probe, current, leaves, tree, again=True)
 
     def _eager(self, args: Any, kwargs: Any) -> R:
         self._uncaptured += 1
@@ -437,6 +463,7 @@ class CapturedStep(Generic[P, R]):
         current: StepGuard,
         leaves: list[Any],
         tree: Any,
+        again: bool = False,
     ) -> R:
         """Capture the step under ``current``'s guard set, then replay it once for
         this call (a capture runs nothing)."""
@@ -498,7 +525,7 @@ class CapturedStep(Generic[P, R]):
             for k, o in enumerate(outs)
             if isinstance(o, torch.Tensor)
         ]
-        if self._recordings:
+        if self._recordings and not again:
             self._rerecords.append(str(self._last_mismatch or "a new guard set"))
         self._recordings.append(rec)
         self._made += 1
@@ -508,6 +535,7 @@ class CapturedStep(Generic[P, R]):
             "recorded", f"recording {len(self._recordings)}: {self._guard_summary(current)}"
         )
         log.debug("capture_step %s: recorded (%d)", self._name, len(self._recordings))
+        rec.clone_outputs = self._clone_outputs
         rec.arg_specs = _arg_specs(args, kwargs, leaves)
         rec.single_output = len(outs) == 1 and out_single
         result = self._replay(rec, leaves)
