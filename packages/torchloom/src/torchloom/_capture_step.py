@@ -316,8 +316,7 @@ class CapturedStep(Generic[P, R]):
             reason = self._static_refusal(leaves)
             if reason is not None:
                 self._refuse(reason)
-                self._uncaptured += 1
-                return self.fn(*args, **kwargs)
+                return self._eager(args, kwargs)
         probe = StepProbe(self._targets)
         for rec in self._recordings:
             if rec.guard.mismatch(rec.probe.read(leaves, tree)) is None:
@@ -331,13 +330,11 @@ class CapturedStep(Generic[P, R]):
         ambient = autocast_refusal(self.fn)
         if ambient is not None:
             self._refuse(ambient)
-            self._uncaptured += 1
-            return self.fn(*args, **kwargs)
+            return self._eager(args, kwargs)
         host = self._host_argument(leaves)
         if host is not None:
             self._refuse(host)
-            self._uncaptured += 1
-            return self.fn(*args, **kwargs)
+            return self._eager(args, kwargs)
         if self._recordings:
             last = self._recordings[-1]
             self._last_mismatch = last.guard.mismatch(last.probe.read(leaves, tree))
@@ -358,14 +355,12 @@ class CapturedStep(Generic[P, R]):
         if self._pending is None or self._pending.mismatch(current, ignore_grads=True) is not None:
             if self._extra_warm >= budget or len(self._recordings) >= budget:
                 self._budget_spent(current)
-                self._uncaptured += 1
-                return self.fn(*args, **kwargs)
+                return self._eager(args, kwargs)
             self._extra_warm += 1 if self._warm >= self.options.capture_step_warmup else 0
             return self._warm_up(args, kwargs, probe, current, leaves, tree)
         if len(self._recordings) >= budget:
             self._budget_spent(current)
-            self._uncaptured += 1
-            return self.fn(*args, **kwargs)
+            return self._eager(args, kwargs)
         return self._capture(args, kwargs, probe, current, leaves, tree)
 
     def _record_again_cloning(

@@ -576,10 +576,6 @@ def _is_scaler(obj: Any) -> bool:
     return isinstance(obj, GradScaler)
 
 
-def tensor_leaves(leaves: Sequence[Any]) -> list[int]:
-    return [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-
-
 # Re-exported for the step runtime: flattening is the one private torch API it needs.
 tree_flatten = compat.step_tree_flatten
 tree_unflatten = compat.step_tree_unflatten
