@@ -801,3 +801,23 @@ def test_host_held_views_of_losses_stay_correct_and_switch_to_copies() -> None:
     s = step.stats()
     assert s.recordings == 2 and "view of an output" in s.rerecords[0], s.format()
     assert s.replays == 7 and s.uncaptured_calls == 0 and device.captures == 2
+
+
+_HELPER_MODEL = nn.Linear(2, 2)
+_HELPER_OPT = torch.optim.SGD(_HELPER_MODEL.parameters(), lr=0.1)
+
+
+def _helper_update() -> None:
+    _HELPER_OPT.step()
+
+
+def test_targets_of_helper_functions_the_step_calls() -> None:
+    def train_step(x: torch.Tensor) -> torch.Tensor:
+        loss = _HELPER_MODEL(x).sum()
+        loss.backward()
+        _helper_update()
+        return loss
+
+    targets = find_targets(lambda x: train_step(x))
+    assert [n for n, _ in targets.modules] == ["train_step._HELPER_MODEL"]
+    assert [n for n, _ in targets.optimizers] == ["train_step._helper_update._HELPER_OPT"]

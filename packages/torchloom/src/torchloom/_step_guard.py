@@ -510,6 +510,41 @@ def find_targets(fn: Callable[..., Any], extra: Iterable[Any] = ()) -> StepTarge
             for k, v in list(attrs.items()):
                 add(f"{name}.{k}", v, functools.partial(attrs.get, k), 1)
 
+    seen_code: set[int] = set()
+
+    def scan(target: Any, prefix: str, depth: int) -> None:
+        """The closure, defaults and named globals of a Python function; a plain
+        function found there (a helper the step calls) is scanned too."""
+        code = getattr(target, "__code__", None)
+        if code is None or id(code) in seen_code or depth > _HELPER_DEPTH:
+            return
+        seen_code.add(id(code))
+        helpers: list[tuple[str, Any]] = []
+
+        def visit(name: str, value: Any, read: Callable[[], Any] | None) -> None:
+            if _is_user_function(value):
+                helpers.append((name, value))
+            else:
+                add(prefix + name, value, read)
+
+        cells = getattr(target, "__closure__", None) or ()
+        for name, cell in zip(code.co_freevars, cells, strict=False):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            visit(name, value, functools.partial(_cell_contents, cell))
+        for k, v in enumerate(getattr(target, "__defaults__", None) or ()):
+            visit(f"default[{k}]", v, None)
+        for k, v in (getattr(target, "__kwdefaults__", None) or {}).items():
+            visit(k, v, None)
+        glob = getattr(target, "__globals__", {})
+        for name in dict.fromkeys(_code_names(code)):
+            if name in glob:
+                visit(name, glob[name], functools.partial(glob.get, name))
+        for name, helper in helpers:
+            scan(helper, f"{prefix}{name}.", depth + 1)
+
     for i, obj in enumerate(extra):
         add(f"track[{i}]", obj, None)
     target: Any = inspect.unwrap(fn)
@@ -523,23 +558,7 @@ def find_targets(fn: Callable[..., Any], extra: Iterable[Any] = ()) -> StepTarge
     if isinstance(target, torch.nn.Module):
         add("module", target, None)
         target = type(target).forward
-    code = getattr(target, "__code__", None)
-    if code is not None:
-        cells = getattr(target, "__closure__", None) or ()
-        for name, cell in zip(code.co_freevars, cells, strict=False):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            add(name, value, functools.partial(_cell_contents, cell))
-        for k, v in enumerate(getattr(target, "__defaults__", None) or ()):
-            add(f"default[{k}]", v, None)
-        for k, v in (getattr(target, "__kwdefaults__", None) or {}).items():
-            add(k, v, None)
-        glob = getattr(target, "__globals__", {})
-        for name in dict.fromkeys(_code_names(code)):
-            if name in glob:
-                add(name, glob[name], functools.partial(glob.get, name))
+    scan(target, "", 0)
     values = list(found.values())
     modules = [(n, o) for n, o in values if isinstance(o, torch.nn.Module)]
     # A submodule of a tracked module is guarded through its parent, and so are
@@ -554,6 +573,18 @@ def find_targets(fn: Callable[..., Any], extra: Iterable[Any] = ()) -> StepTarge
             (n, o) for n, o in values if isinstance(o, torch.Tensor) and id(o) not in owned
         ),
         roots=tuple(roots),
+    )
+
+
+#: How deep helper functions called by the step are scanned for modules and optimizers.
+_HELPER_DEPTH = 2
+
+
+def _is_user_function(value: Any) -> bool:
+    """A plain Python function outside torch and loom (a helper of the step)."""
+    module = getattr(value, "__module__", None) or ""
+    return isinstance(value, types.FunctionType) and not module.startswith(
+        ("torch", "torchloom", "loom_")
     )
 
 
