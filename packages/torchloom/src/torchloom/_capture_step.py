@@ -600,9 +600,13 @@ class CapturedStep(Generic[P, R]):
 
     def _guard_summary(self, guard: StepGuard) -> str:
         tensors = [str(a) for a in guard.args if not isinstance(a, tuple)]
+        t = self._targets
+        found = [n for n, _ in (*t.modules, *t.optimizers, *t.scalers, *t.tensors)] if t else []
+        # NOTE: what the step uses but the search missed is not guarded; say what was found.
+        guarding = ", ".join(found) or "no module or optimizer found (pass track=[...])"
         return (
-            f"arguments [{', '.join(tensors)}], {len(guard.objects)} objects, "
-            f"{len(guard.pointers)} tensors, {len(guard.hyper)} hyperparameters guarded"
+            f"arguments [{', '.join(tensors)}]; guarding {guarding}: {len(guard.objects)} "
+            f"objects, {len(guard.pointers)} tensors, {len(guard.hyper)} hyperparameters"
         )
 
     def stats(self) -> StepStats:
