@@ -12,6 +12,7 @@ import pytest
 import torch
 from _cg_helpers import trace_real
 
+import loom_cudagraph
 from loom_cudagraph import (
     CudagraphError,
     CudagraphOptions,
@@ -466,3 +467,21 @@ def test_stable_input_that_moves_is_copied_from_then_on_without_spending_budget(
     copying = run._steps[0][0]._tables[None].recordings[1]  # type: ignore[attr-defined]
     assert copying.copy_idx == [0] and copying.stable_idx == []
     assert not [r for r in caplog.records if "rerecord_budget" in r.getMessage()]
+
+
+def test_suspended_segments_run_their_code_without_warm_up_or_recording() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    run, cap = compile_host(f, torch.randn(3))
+    with loom_cudagraph.suspended():
+        for _ in range(3):
+            x = torch.randn(3)
+            (out,) = call(run, x)
+            torch.testing.assert_close(out, f(x))
+    assert cap.captures == 0 and cap.replays == 0
+    (seg,) = run.stats().segments
+    assert seg.recordings == 0 and seg.shapes == 0
+    for _ in range(3):  # after the block: warm-up, record, replay as usual
+        call(run, torch.randn(3))
+    assert cap.captures == 1 and cap.replays == 2

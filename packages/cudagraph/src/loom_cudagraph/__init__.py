@@ -29,7 +29,7 @@ from loom_cudagraph._runtime import (
     eager_segment_compiler,
     new_pool,
 )
-from loom_cudagraph._segment import SegmentStats, is_managed
+from loom_cudagraph._segment import SegmentStats, is_managed, suspended
 from loom_cudagraph._skiplog import report_plan_skips, reset_skip_counts, skip_counts
 from loom_cudagraph._split import SegmentModule, split_by_plan
 
@@ -70,5 +70,6 @@ __all__ = [
     "skip_counts",
     "source_location",
     "split_by_plan",
+    "suspended",
     "unmark_non_capturable",
 ]

@@ -15,12 +15,13 @@ escaping output.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from loom_cudagraph._torch_compat import (
     storage_use_count,
 )
 
-__all__ = ["CapturedSegment", "SegmentSpec", "SegmentStats", "is_managed"]
+__all__ = ["CapturedSegment", "SegmentSpec", "SegmentStats", "is_managed", "suspended"]
 
 log = logging.getLogger("torchloom.cudagraph")
 
@@ -47,6 +48,27 @@ SegmentFn = Callable[[list[Any]], Sequence[Any]]
 
 # Storages of static outputs of live recordings: an input found here is used in place.
 _managed: dict[int, int] = {}
+
+
+# How many ``suspended()`` blocks are open: while one is, segments run their code as is.
+_suspended = 0
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Every loom CUDA-graph segment runs its compiled code directly (no warm-up, no
+    recording, no replay) while the block runs.
+
+    For an outer capture of a whole step (``torchloom.capture_step``): a segment's
+    own capture or replay inside another stream capture would fail, and its code is
+    captured into the outer graph anyway.
+    """
+    global _suspended
+    _suspended += 1
+    try:
+        yield
+    finally:
+        _suspended -= 1
 
 
 def is_managed(t: torch.Tensor) -> bool:
@@ -280,6 +302,8 @@ class CapturedSegment:
         # NOTE: the hot path. ``_hot`` is the recording the last call replayed
         # (static shapes only; dropped when it retires); it replays again if its
         # in-place inputs kept their addresses and no output it hands out is held.
+        if _suspended:
+            return self.fn(inputs)
         rec = self._hot
         if (
             rec is None

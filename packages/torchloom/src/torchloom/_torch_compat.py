@@ -60,6 +60,11 @@ __all__ = [
     "reload_inductor_segment",
     "segment_codegen_strides",
     "static_input_indices",
+    "step_foreach_copy_",
+    "step_graph_replay",
+    "step_storage_use_count",
+    "step_tree_flatten",
+    "step_tree_unflatten",
     "tracing_output_strides",
 ]
 
@@ -388,3 +393,36 @@ def reload_inductor_segment(
         strides.clear()
     graph.post_compile(example_inputs, constants, graph_kwargs)  # type: ignore[arg-type]
     return graph
+
+
+# --- capture_step ---------------------------------------------------------------------------
+
+
+def step_tree_flatten(value: Any) -> tuple[list[Any], Any]:
+    """A step's arguments or outputs as leaves and a structure (compared with ``==``)."""
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten(value)
+
+
+def step_tree_unflatten(leaves: Sequence[Any], spec: Any) -> Any:
+    from torch.utils._pytree import tree_unflatten
+
+    return tree_unflatten(list(leaves), spec)
+
+
+def step_storage_use_count(t: torch.Tensor) -> int:
+    """How many references hold the tensor's storage (tensors and views sharing it)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+def step_foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every ``i``, as one fused op."""
+    torch._foreach_copy_(list(dst), list(src))
+
+
+def step_graph_replay(graph: Any) -> Callable[[], object]:
+    """``graph.replay`` bound to the C++ method, past ``torch.cuda.CUDAGraph``'s Python
+    override (which only calls ``super().replay()``)."""
+    replay: Callable[[], object] = torch._C._CUDAGraph.replay.__get__(graph)
+    return replay

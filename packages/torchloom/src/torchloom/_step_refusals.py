@@ -1,0 +1,245 @@
+"""Why a training step is not captured as one CUDA graph, as typed data.
+
+Refusals are decided at warm-up (before any capture), except a capture that
+itself fails and a spent recording budget. Each names the op or object, the
+user's ``file:line`` and what to do instead; :class:`CaptureStepError` raises
+one under ``cudagraph_or_error``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import inspect
+import linecache
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchloom._step_guard import StepTargets
+
+__all__ = [
+    "CaptureStepError",
+    "StepRefusal",
+    "StepUnsupported",
+    "autocast_refusal",
+    "call_site",
+    "optimizer_refusals",
+    "scaler_refusals",
+    "sync_refusal",
+    "user_frame",
+]
+
+
+class StepRefusal(enum.Enum):
+    """Why a step runs uncaptured (every member is listed in docs/capture_step.md)."""
+
+    #: No CUDA device, or the step's tensors are not on one: nothing to capture.
+    NO_CUDA = "no_cuda"
+    #: The step synchronizes with the host (``.item()``, ``.cpu()``, ``print(t)``).
+    SYNC_OP = "sync_op"
+    #: An optimizer whose step keeps host state (``capturable=False``, LBFGS, ...).
+    OPTIMIZER_NOT_CAPTURABLE = "optimizer_not_capturable"
+    #: An enabled ``GradScaler``: its inf check reads a device value on the host.
+    GRAD_SCALER = "grad_scaler"
+    #: The step is called under an autocast region whose cast cache outlives it.
+    AUTOCAST_CACHE = "autocast_cache"
+    #: A tensor argument is on the host: a replay reads device memory only.
+    HOST_ARGUMENT = "host_argument"
+    #: The step returns a Python value, which a replay cannot recompute.
+    HOST_OUTPUT = "host_output"
+    #: The step changes Python state a replay would not (a float lr, a rebound tensor).
+    PYTHON_STATE = "python_state"
+    #: ``torch.cuda.graph`` capture raised.
+    CAPTURE_FAILED = "capture_failed"
+    #: More guard sets than ``capture_step_max_recordings`` allows.
+    RECORDING_BUDGET = "recording_budget"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepUnsupported:
+    """What was refused, where (the user's ``file:line``), why, what to do instead."""
+
+    kind: StepRefusal
+    where: str
+    explanation: str
+    hint: str = ""
+    op: str = ""
+    #: Whether CUDA work runs uncaptured because of it (False on a host-only step).
+    cuda_work: bool = True
+
+    def __str__(self) -> str:
+        head = f"{self.op}: " if self.op else ""
+        text = f"{head}{self.explanation} [{self.kind.value}]"
+        if self.where:
+            text += f" at {self.where}"
+        return f"{text} (hint: {self.hint})" if self.hint else text
+
+
+class CaptureStepError(RuntimeError):
+    """Raised under ``cudagraph_or_error`` when a step would run uncaptured."""
+
+    def __init__(self, reason: StepUnsupported, step: str = "") -> None:
+        where = f" {step}" if step else ""
+        super().__init__(
+            f"cudagraph_or_error: capture_step{where} runs uncaptured: {reason}. "
+            "Unset cudagraph_or_error (or TORCHLOOM_CUDAGRAPH_OR_ERROR) to run it uncaptured."
+        )
+        self.reason = reason
+
+
+# --- where: the user's source line ----------------------------------------------------------
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    import loom_cudagraph
+    import torchloom
+
+    dirs = [Path(torch.__file__).resolve().parent]
+    dirs += [Path(m.__file__).resolve().parent for m in (torchloom, loom_cudagraph) if m.__file__]
+    return tuple(str(d) + os.sep for d in dirs)
+
+
+#: Compile machinery: a synchronization from inside it is compile work (autotuning), not the step's.
+_COMPILE_PARTS = (
+    os.sep + "_inductor" + os.sep,
+    os.sep + "_dynamo" + os.sep,
+    os.sep + "_functorch" + os.sep,
+    os.sep + "triton" + os.sep,
+)
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith(_library_dirs()) or "<frozen" in filename
+
+
+def user_frame(stack: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost frame outside torch and loom (``stack`` is outermost first)."""
+    for frame in reversed(stack):
+        if not _is_library(str(Path(frame.filename).resolve())):
+            return frame
+    return None
+
+
+def _where(frame: traceback.FrameSummary | None) -> str:
+    if frame is None:
+        return ""
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"
+
+
+def call_site(fn: Callable[..., Any], needle: str) -> str:
+    """``file:line in fn`` of the first line of ``fn``'s source containing ``needle``
+    (e.g. ``"opt.step("``), else of its ``def`` line."""
+    target = inspect.unwrap(fn)
+    target = getattr(target, "__func__", target)
+    code = getattr(target, "__code__", None)
+    if code is None:
+        return ""
+    try:
+        lines, first = inspect.getsourcelines(target)
+    except (OSError, TypeError):
+        return f"{code.co_filename}:{code.co_firstlineno} in {code.co_name}"
+    for k, line in enumerate(lines):
+        if needle and needle in line:
+            return f"{code.co_filename}:{first + k} in {code.co_name}"
+    return f"{code.co_filename}:{first} in {code.co_name}"
+
+
+# --- the refusals ----------------------------------------------------------------------------
+
+#: torch optimizers without a ``capturable`` flag whose step is nonetheless capturable.
+_CAPTURABLE_WITHOUT_FLAG = (torch.optim.SGD,)
+
+
+def optimizer_refusals(
+    fn: Callable[..., Any], targets: StepTargets, device_type: str = "cuda"
+) -> list[StepUnsupported]:
+    """Optimizers whose ``step()`` keeps host state a replay would freeze."""
+    out = []
+    for name, opt in targets.optimizers:
+        cls = type(opt).__name__
+        where = call_site(fn, f"{name}.step(")
+        on_device = any(p.device.type == device_type for g in opt.param_groups for p in g["params"])
+        if not on_device:
+            continue
+        flags = [g.get("capturable") for g in opt.param_groups]
+        if any(f is False for f in flags):
+            out.append(
+                StepUnsupported(
+                    StepRefusal.OPTIMIZER_NOT_CAPTURABLE,
+                    where,
+                    f"{name} ({cls}) has capturable=False: its step counter lives on the host "
+                    "and a replay would repeat the captured step number",
+                    f"create it with {cls}(..., capturable=True)",
+                    op=f"{name}.step()",
+                )
+            )
+        elif all(f is None for f in flags) and not isinstance(opt, _CAPTURABLE_WITHOUT_FLAG):
+            if type(opt).__module__.startswith("torch.optim"):
+                out.append(
+                    StepUnsupported(
+                        StepRefusal.OPTIMIZER_NOT_CAPTURABLE,
+                        where,
+                        f"{name} ({cls}) has no capturable step",
+                        "use SGD, or Adam/AdamW/... with capturable=True",
+                        op=f"{name}.step()",
+                    )
+                )
+    return out
+
+
+def scaler_refusals(fn: Callable[..., Any], targets: StepTargets) -> list[StepUnsupported]:
+    """An enabled ``GradScaler``: ``scaler.step`` reads the inf check on the host."""
+    out = []
+    for name, scaler in targets.scalers:
+        if scaler.is_enabled():
+            out.append(
+                StepUnsupported(
+                    StepRefusal.GRAD_SCALER,
+                    call_site(fn, f"{name}.step("),
+                    f"{name} (GradScaler) skips optimizer steps after a host-side inf check",
+                    "train in bfloat16 autocast without a GradScaler, or leave this step uncaptured",
+                    op=f"{name}.step()",
+                )
+            )
+    return out
+
+
+def autocast_refusal(fn: Callable[..., Any]) -> StepUnsupported | None:
+    """The step is called under autocast with its cast cache on: the cached casts of
+    the weights would outlive the step (and go stale when the optimizer updates them)."""
+    if not torch.is_autocast_enabled("cuda") or not torch.is_autocast_cache_enabled():
+        return None
+    return StepUnsupported(
+        StepRefusal.AUTOCAST_CACHE,
+        call_site(fn, ""),
+        "the step is called inside torch.autocast with cache_enabled=True",
+        "enter autocast inside the step function, or pass cache_enabled=False",
+        op="torch.autocast",
+    )
+
+
+def sync_refusal(stack: Sequence[traceback.FrameSummary]) -> StepUnsupported | None:
+    """A host synchronization seen at warm-up (``stack`` outermost first), or
+    ``None`` when it came from compile machinery (autotuning)."""
+    if any(part in frame.filename for frame in stack for part in _COMPILE_PARTS):
+        return None
+    frame = user_frame(stack)
+    line = ""
+    if frame is not None:
+        line = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+    return StepUnsupported(
+        StepRefusal.SYNC_OP,
+        _where(frame),
+        "the step waits for the device on the host (a synchronizing CUDA operation); "
+        "a replay cannot return a host value",
+        "keep .item(), .cpu(), .tolist() and printing of tensors out of the step; "
+        "return the tensor and read it after the call",
+        op=line,
+    )
