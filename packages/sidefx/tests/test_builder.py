@@ -229,7 +229,9 @@ def test_refusals_carry_the_current_location() -> None:
     se = SideEffects()
     se.where = "hooks.py:12"
     xs = se.track_existing([], None)
-    with pytest.raises(SideEffectRefused, match=r"^hooks.py:12: mutation of a pre-existing list"):
+    with pytest.raises(
+        SideEffectRefused, match=r"^\[no_source\] hooks.py:12: mutation of a pre-existing list"
+    ):
         se.list_append(xs, 1)
 
 

@@ -10,7 +10,7 @@ from ._guards import (
     constant_guard,
 )
 from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
-from ._refusals import SideEffectRefusal, SideEffectRefused, Unsupported
+from ._refusals import Refusal, RefusalError, SideEffectRefusal, SideEffectRefused, Unsupported
 from ._replay import PlanCheckError, ReplayPlan, checks_enabled
 from ._sources import (
     ArgSource,
@@ -67,6 +67,8 @@ __all__ = [
     "PlanCheckError",
     "PreexistingObject",
     "Ref",
+    "Refusal",
+    "RefusalError",
     "ReplayPlan",
     "Roots",
     "SameElements",
