@@ -11,6 +11,7 @@ one CUDA graph.
 >>> torchloom.reset(); y = f(torch.randn(4)); print(torchloom.report())  # doctest: +SKIP
 """
 
+import torchloom._release  # noqa: F401  (first: warns on a torch outside the tested range)
 from loom_hops import grad_hook
 from torchloom._api import reset
 from torchloom._backend import loom_backend
