@@ -76,16 +76,18 @@ _LOOM_MODULES: Final = (
 _FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
 
 _store_lock = threading.Lock()
-_stores: dict[tuple[str, str], loom_cache.TieredStore] = {}
+_stores: dict[loom_cache.CacheConfig, loom_cache.TieredStore] = {}
 
 
-def cache_store() -> loom_cache.TieredStore:
-    """The process's store for the current ``TORCHLOOM_CACHE_DIR`` / ``TORCHLOOM_REMOTE_CACHE``."""
-    ident = (str(loom_cache.default_cache_dir()), os.environ.get("TORCHLOOM_REMOTE_CACHE", ""))
+def cache_store(config: loom_cache.CacheConfig | None = None) -> loom_cache.TieredStore:
+    """The process's store for ``config``: by default the cache settings
+    (``TORCHLOOM_CACHE_*``, ``TORCHLOOM_REMOTE_CACHE*``) as ``loom_cache`` resolves
+    them, once per distinct setting; one store (and one circuit breaker) per setting."""
+    config = config if config is not None else loom_cache.CacheConfig.from_env()
     with _store_lock:
-        if ident not in _stores:
-            _stores[ident] = loom_cache.open_default_store()
-        return _stores[ident]
+        if config not in _stores:
+            _stores[config] = loom_cache.open_default_store(config)
+        return _stores[config]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
