@@ -185,6 +185,31 @@ def test_a_read_only_directory_is_not_stored_with_one_warning(
     assert len(caplog.records) == 1
 
 
+def test_a_directory_refusing_writes_turns_the_local_tier_off_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What a read-only or foreign directory does to a non-root user, made to happen
+    # for root too: creating anything under the root fails with EACCES.
+    root = tmp_path / "cache"
+    root.mkdir()
+    real_mkdir = os.mkdir
+
+    def refusing_mkdir(path: object, *args: object, **kwargs: object) -> None:
+        if str(path).startswith(str(root)):
+            raise PermissionError(13, "Permission denied", str(path))
+        real_mkdir(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "mkdir", refusing_mkdir)
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    store = LocalStore(root)
+    for i in range(3):
+        result = store.put(_entry(i))
+        assert not result.stored and "Permission denied" in result.reason
+        assert not store.lookup(_key(i).digest).hit
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "local tier is off" in warning
+
+
 # -- symlinks ----------------------------------------------------------------------------
 
 

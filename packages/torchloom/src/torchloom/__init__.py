@@ -10,22 +10,66 @@ graph, and the runtime.
 >>> torchloom.reset(); y = f(torch.randn(4)); print(torchloom.report())  # doctest: +SKIP
 """
 
-from loom_hops import grad_hook
-from torchloom._api import reset
-from torchloom._backend import loom_backend
-from torchloom._cudagraph import cudagraph_stats
-from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
-from torchloom._options import MODES, LoomOptions, LoomOptionsError, resolve_options
-from torchloom._pipeline import Pipeline
-from torchloom._report import (
-    GraphRecord,
-    InputMeta,
-    Report,
-    ReportEntry,
-    StageRecord,
-    report,
-)
-from torchloom._values import GraphKind
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# NOTE: names load on first use (PEP 562), so `import torchloom` and the
+# `torchloom` command start without torch, Dynamo or Inductor; the backend is
+# registered through the `torch_dynamo_backends` entry point, not by import.
+if TYPE_CHECKING:
+    from loom_hops import grad_hook
+    from torchloom._api import reset
+    from torchloom._backend import loom_backend
+    from torchloom._cudagraph import cudagraph_stats
+    from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
+    from torchloom._options import MODES, LoomOptions, LoomOptionsError, resolve_options
+    from torchloom._pipeline import Pipeline
+    from torchloom._report import (
+        GraphRecord,
+        InputMeta,
+        Report,
+        ReportEntry,
+        StageRecord,
+        report,
+    )
+    from torchloom._values import GraphKind
+
+_LAZY = {
+    "grad_hook": "loom_hops",
+    "reset": "torchloom._api",
+    "loom_backend": "torchloom._backend",
+    "cudagraph_stats": "torchloom._cudagraph",
+    **dict.fromkeys(("LoomRefusal", "RefusalKind", "Unsupported"), "torchloom._errors"),
+    **dict.fromkeys(
+        ("MODES", "LoomOptions", "LoomOptionsError", "resolve_options"), "torchloom._options"
+    ),
+    "Pipeline": "torchloom._pipeline",
+    **dict.fromkeys(
+        ("GraphRecord", "InputMeta", "Report", "ReportEntry", "StageRecord", "report"),
+        "torchloom._report",
+    ),
+    "GraphKind": "torchloom._values",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if name.startswith("_") and not name.startswith("__"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError:
+            pass
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __version__ = "0.1.0"
 
