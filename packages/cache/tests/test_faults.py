@@ -355,10 +355,42 @@ def test_put_never_scans_the_store_until_the_bound_and_then_evicts_in_a_batch(
     for i in range(1, 100):
         store.put(_entry(i, 1000))
     assert scans == []  # O(1): the ledger, not a scan
-    store.put(_entry(100, 1000))  # past the bound: one scan evicts down to 90%
+    store.put(_entry(100, 1000))  # past the bound: one eviction down to 90%
+    assert scans
+    scans.clear()
     for i in range(101, 106):
         store.put(_entry(i, 1000))
-    assert len(scans) == 1  # a batch: the next puts fit again
+    assert scans == []  # a batch: the next puts fit again
     stats = store.stats()
     assert stats.entries <= 0.9 * 101 + 5
     assert store.lookup(_key(101).digest).hit and not store.lookup(_key(0).digest).hit
+
+
+def test_list_and_stats_read_no_entry_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loom_cache import cache_main
+
+    store = LocalStore(tmp_path)
+    for i in range(50):
+        store.put(_entry(i))
+    reads = []
+    real = _local._read_info
+
+    def counting(where: object, name: str):  # type: ignore[no-untyped-def]
+        reads.append(name)
+        return real(where, name)
+
+    monkeypatch.setattr(_local, "_read_info", counting)
+    assert cache_main(["--dir", str(tmp_path), "list"]) == 0
+    assert cache_main(["--dir", str(tmp_path), "stats"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("  prog") == 50 and "entries    50" in out
+    assert reads == []  # the index and one directory scan, never the entries
+    # An entry the index does not know (written by another version) is still listed.
+    (tmp_path / "v1" / "index.tsv").unlink()
+    assert cache_main(["--dir", str(tmp_path), "list"]) == 0
+    assert capsys.readouterr().out.count("  prog") == 50 and len(reads) == 50
+    # Eviction compacts the index to the entries left.
+    store.evict(0)
+    assert (tmp_path / "v1" / "index.tsv").read_text() == ""

@@ -131,8 +131,9 @@ def _inspect(local: LocalStore, tiered: TieredStore, args: argparse.Namespace) -
             print(f"remote     {remote} ({state}, trust {config.remote_trust})")
         return 0
     if args.command == "list":
-        for info in sorted(store.entries(), key=lambda i: -i.last_used):
-            print(_line(info))
+        for info in sorted(store.summaries(), key=lambda i: -i.last_used):
+            used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.last_used))
+            print(f"{info.digest[:16]}  {info.size:>10}  {used}  {info.program}")
         return 0
     if args.command == "show":
         found = _find(store, args.digest)
@@ -171,20 +172,15 @@ def _inspect(local: LocalStore, tiered: TieredStore, args: argparse.Namespace) -
 
 
 def _find(store: LocalStore, prefix: str) -> EntryInfo | None:
-    found = [i for i in store.entries() if i.digest.startswith(prefix)]
-    if len(found) != 1:
+    found = [s.digest for s in store.summaries() if s.digest.startswith(prefix)]
+    info = store.info(found[0]) if len(found) == 1 else None
+    if info is None:
         print(
             f"{len(found)} entries match {prefix!r}; give a longer prefix"
             if found
             else f"no entry matches {prefix!r}"
         )
-        return None
-    return found[0]
-
-
-def _line(info: EntryInfo) -> str:
-    used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.last_used))
-    return f"{info.digest[:16]}  {info.size:>10}  {used}  {info.key.program}"
+    return info
 
 
 def _clip(text: str, limit: int = 100) -> str:

@@ -76,6 +76,17 @@ _UNUSABLE: Final = frozenset(
 _warned_roots: set[tuple[str, str]] = set()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class EntrySummary:
+    """One line of ``torchloom cache list``: no key components, nothing read from the entry."""
+
+    digest: str
+    program: str
+    size: int
+    created: float
+    last_used: float
+
+
 class UnsafeStoreError(OSError):
     """Something in the store that loom will not follow or remove (a symlink)."""
 
@@ -130,6 +141,7 @@ class LocalStore:
         self._tmp = self._dir / "tmp"
         self._misses = self._dir / "misses"
         self._stats = self._dir / "stats.json"
+        self._index = self._dir / "index.tsv"
         self._lock = filelock.FileLock(
             str(self._dir / "lock"), timeout=_LOCK_TIMEOUT_S, mode=self._file_mode
         )
@@ -290,6 +302,7 @@ class LocalStore:
                     old = _regular_size(path)
                     os.replace(tmp, path)
                     self._account(len(data) - old)
+                    self._index_append(entry)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
@@ -409,6 +422,80 @@ class LocalStore:
         for name in names:
             yield self._entries / name[:2] / name
 
+    # -- the listing index --------------------------------------------------
+    def _index_append(self, entry: Entry) -> None:
+        """One line per put (digest, created, program), so listing reads no entry."""
+        program = entry.key.program.replace("\t", " ").replace("\n", " ")
+        line = f"{entry.digest}\t{entry.created!r}\t{program}\n".encode()
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC | _BINARY
+        try:
+            fd = os.open(self._index, flags, self._file_mode)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # the listing falls back to reading headers
+            log.debug("loom cache: could not append to the index: %s", exc)
+
+    def _read_index(self) -> dict[str, tuple[float, str]]:
+        try:
+            fd = os.open(self._index, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _BINARY)
+            with os.fdopen(fd, "rb") as f:
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return {}
+        out: dict[str, tuple[float, str]] = {}
+        for line in text.splitlines():
+            parts = line.split("\t", 2)
+            if len(parts) == 3 and len(parts[0]) == 64:
+                with contextlib.suppress(ValueError):
+                    out[parts[0]] = (float(parts[1]), parts[2])
+        return out
+
+    def _compact_index(self) -> None:
+        """Rewrite the index with the entries present (lock held; after eviction/clear)."""
+        index = self._read_index()
+        with self._scanned() as files:
+            present = {name[:64] for _, _, _, name in files}
+        lines = "".join(
+            f"{d}\t{c!r}\t{p}\n" for d, (c, p) in index.items() if d in present
+        ).encode()
+        with contextlib.suppress(OSError):
+            self._atomic_write(self._index, lines)
+
+    def summaries(self) -> list[EntrySummary]:
+        """Every entry's digest, program, size and times, from one directory scan and
+        the index (an entry the index lacks has its header read)."""
+        index = self._read_index()
+        out = []
+        with self._shards() as items:
+            for where, name in items:
+                digest = name[:64]
+                try:
+                    st = _stat(where, name)
+                except OSError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                known = index.get(digest)
+                if known is None:
+                    info = _read_info(where, name)
+                    if info is None:
+                        continue
+                    known = (info.created, info.key.program)
+                out.append(EntrySummary(digest, known[1], st.st_size, known[0], st.st_mtime))
+        return out
+
+    def info(self, digest: str) -> EntryInfo | None:
+        """One entry's header (key components, metadata), or None."""
+        path = self.path_of(digest)
+        try:
+            if stat.S_ISLNK(os.lstat(path.parent).st_mode):
+                return None
+        except OSError:
+            return None
+        return _read_info(str(path.parent), path.name)
+
     def entries(self) -> Iterator[EntryInfo]:
         """Every readable entry's header (unreadable ones are skipped)."""
         with self._shards() as items:
@@ -430,6 +517,8 @@ class LocalStore:
                         if item.name.endswith(".json") and item.is_file(follow_symlinks=False):
                             os.unlink(item.path)
                 self._write_counters({"bytes": 0})
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._index)
         except OSError as exc:
             log.warning("loom cache: could not clear %s: %s", self.root, exc)
         return removed
@@ -461,6 +550,7 @@ class LocalStore:
                         removed += 1
         self._sweep_tmp()
         if removed:
+            self._compact_index()
             log.info("loom cache: evicted %d entries to stay under %d bytes", removed, target)
         return total, removed
 
@@ -619,7 +709,7 @@ def _read_info(where: Any, name: str) -> EntryInfo | None:
         flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _BINARY
         if isinstance(where, int):
             fd = os.open(name, flags, dir_fd=where)
-        else:  # pragma: no cover - no dir_fd
+        else:
             fd = os.open(os.path.join(where, name), flags)
         try:
             st = os.fstat(fd)

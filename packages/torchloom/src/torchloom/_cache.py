@@ -316,9 +316,10 @@ def record_miss(record: GraphRecordBuilder, lookup: CacheLookup, reason: str) ->
     try:
         store.local.record(hit=False)
         store.local.record_miss(key)
-        nearest = loom_cache.nearest_key(
-            key, (i.key for i in store.local.entries() if i.key.program == key.program)
-        )
+        # The index names each entry's program: only that program's headers are read.
+        same = (s.digest for s in store.local.summaries() if s.program == key.program)
+        infos = (store.local.info(d) for d in same)
+        nearest = loom_cache.nearest_key(key, (i.key for i in infos if i is not None))
         if nearest is not None:
             diffs = loom_cache.explain_miss(key, nearest)
             explanation = "; ".join(str(d) for d in diffs)
