@@ -8,16 +8,19 @@ one under ``cudagraph_or_error``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import inspect
 import linecache
 import os
+import sysconfig
 import traceback
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -29,6 +32,7 @@ __all__ = [
     "StepUnsupported",
     "autocast_refusal",
     "call_site",
+    "collect_syncs",
     "optimizer_refusals",
     "scaler_refusals",
     "sync_refusal",
@@ -115,8 +119,21 @@ _COMPILE_PARTS = (
 )
 
 
+@functools.cache
+def _stdlib_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Python's own library (``warnings``, ``contextlib``), and the package folders
+    that may lie inside it (which are not)."""
+    paths = sysconfig.get_paths()
+    std = tuple(str(Path(paths[k]).resolve()) + os.sep for k in ("stdlib", "platstdlib"))
+    pkgs = tuple(str(Path(paths[k]).resolve()) + os.sep for k in ("purelib", "platlib"))
+    return std, pkgs
+
+
 def _is_library(filename: str) -> bool:
-    return filename.startswith(_library_dirs()) or "<frozen" in filename
+    if filename.startswith(_library_dirs()) or filename.startswith("<"):
+        return True
+    std, pkgs = _stdlib_dirs()
+    return filename.startswith(std) and not filename.startswith(pkgs)
 
 
 def user_frame(stack: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
@@ -243,3 +260,34 @@ def sync_refusal(stack: Sequence[traceback.FrameSummary]) -> StepUnsupported | N
         "return the tensor and read it after the call",
         op=line,
     )
+
+
+#: The text of the warning CUDA's sync debug mode gives for a synchronizing operation.
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+@contextlib.contextmanager
+def collect_syncs(found: list[StepUnsupported]) -> Iterator[None]:
+    """Turn each sync warning issued in the block into a refusal naming the user's
+    line (other warnings are shown as usual); see :func:`sync_refusal`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        show = warnings.showwarning
+
+        def hook(
+            message: Warning | str,
+            category: type[Warning],
+            filename: str,
+            lineno: int,
+            file: TextIO | None = None,
+            line: str | None = None,
+        ) -> None:
+            if SYNC_WARNING in str(message):
+                reason = sync_refusal(traceback.extract_stack()[:-1])
+                if reason is not None:
+                    found.append(reason)
+                return
+            show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = hook
+        yield

@@ -63,6 +63,7 @@ __all__ = [
     "reload_inductor_segment",
     "segment_codegen_strides",
     "static_input_indices",
+    "step_data_ptrs_equal",
     "step_foreach_copy_",
     "step_graph_replay",
     "step_storage_use_count",
@@ -501,3 +502,9 @@ def step_graph_replay(graph: Any) -> Callable[[], object]:
     override (which only calls ``super().replay()``)."""
     replay: Callable[[], object] = torch._C._CUDAGraph.replay.__get__(graph)
     return replay
+
+
+#: ``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` in ``indices`` (lists), in one C++ call.
+step_data_ptrs_equal: Callable[[list[Any], list[int | None], list[int]], bool] = (
+    torch._C._tensors_data_ptrs_at_indices_equal
+)
