@@ -1,8 +1,8 @@
-"""A Hugging Face decoder (Llama, built from a config): eager / Inductor / loom, side by side.
+"""Hugging Face decoders (Llama, GPT-2, built from configs): eager / Inductor / loom, side by side.
 
-The model is ``transformers.LlamaForCausalLM`` built from a ``LlamaConfig``
-with random weights (nothing is downloaded): 4 layers, hidden 512 on CUDA,
-a tiny one with ``--quick``. Two workloads:
+The models are ``transformers.LlamaForCausalLM`` and ``GPT2LMHeadModel``
+built from configs with random weights (nothing is downloaded): 4 layers,
+hidden 512 on CUDA, tiny ones with ``--quick``. Two workloads per model:
 
 - ``train``: a training step, forward with ``labels`` (the causal-LM
   cross-entropy), backward, gradients cleared first. The optimizer step is
@@ -25,6 +25,15 @@ of the loss or logits), then all variants are timed in interleaved rounds;
 ``vs_eager``, ``vs_inductor`` and ``vs_inductor_ro`` are medians of per-round
 ratios. ``graphs`` counts the graphs Dynamo compiled, ``fallbacks`` loom's
 graphs run eagerly.
+
+Memory, on CUDA: ``peak_mib`` is the peak allocated during one warm step
+above what was allocated before it. That hides memory a CUDA-graph variant
+holds between steps (its pools and static outputs), so ``resident_mib`` is
+the memory the variant reserves after warm-up beyond its model (the caching
+allocator's reserved bytes, unused cached blocks released first: a CUDA-graph
+pool counts whole, as reduce-overhead's pools keep their memory reserved
+while their tensors are "freed"), and ``footprint_mib`` the sum: the memory
+the step needs. ``footprint_vs_ro`` compares it with reduce-overhead's.
 
     python benchmarks/bench_hf.py --device cuda
     python benchmarks/bench_hf.py --device cpu --quick --no-append
@@ -123,6 +132,29 @@ def build_llama(size: Size) -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+def build_gpt2(size: Size) -> nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=size.vocab,
+        n_embd=size.hidden,
+        n_layer=size.layers,
+        n_head=size.heads,
+        n_inner=size.intermediate,
+        n_positions=max(size.seq, size.window),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+MODELS: dict[str, Callable[[Size], nn.Module]] = {"llama": build_llama, "gpt2": build_gpt2}
+
+
 def train_step(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
 
@@ -196,9 +228,14 @@ def _warm_process(device: torch.device) -> None:
 
 
 def run_workload(
-    w: Workload, variants: tuple[Variant, ...], size: Size, device: torch.device, iters: int
+    model_name: str,
+    w: Workload,
+    variants: tuple[Variant, ...],
+    size: Size,
+    device: torch.device,
+    iters: int,
 ) -> list[dict[str, Any]]:
-    base = build_llama(size).to(device).train(w.train)
+    base = MODELS[model_name](size).to(device).train(w.train)
     ids = torch.randint(0, size.vocab, w.shape(size), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
     ref = _runner(w, base, w.fn, ids)().clone()
@@ -208,7 +245,8 @@ def run_workload(
     for v in variants:
         model = copy.deepcopy(base)
         models.append(model)
-        row: dict[str, Any] = {"workload": w.name, "variant": v.name}
+        row: dict[str, Any] = {"workload": f"{model_name}_{w.name}", "variant": v.name}
+        before = _reserved(device)
         _reset()
         with fresh_inductor_cache():
             try:
@@ -218,6 +256,10 @@ def run_workload(
                 time_fn(run, warmup=3, iters=1, device=device)
                 mem = peak_memory(run, device)
                 row["peak_mib"] = None if mem is None else mem / 2**20
+                held = _reserved(device)
+                if mem is not None and held is not None and before is not None:
+                    row["resident_mib"] = (held - before) / 2**20
+                    row["footprint_mib"] = row["resident_mib"] + row["peak_mib"]
                 row["graphs"] = _graphs() if v.kwargs is not None else None
                 row["fallbacks"] = _loom_fallbacks() if v.name.startswith("loom") else None
                 runners[v.name] = run
@@ -226,7 +268,7 @@ def run_workload(
         rows.append(row)
         compiled = f"{row['compile_s']:.1f} s" if row.get("compile_s") is not None else "-"
         print(
-            f"  {w.name:<11} {v.name:<16} compile {compiled:>8}  "
+            f"  {model_name}_{w.name:<11} {v.name:<16} compile {compiled:>8}  "
             f"(at {time.perf_counter() - START:.0f} s)",
             flush=True,
         )
@@ -245,7 +287,9 @@ def run_workload(
             samples[name] += times
             medians[name].append(statistics.median(times))
     gc.unfreeze()
-    print(f"  {w.name:<11} timed {len(order)} variants (at {time.perf_counter() - START:.0f} s)")
+    print(
+        f"  {model_name}_{w.name:<11} timed {len(order)} variants (at {time.perf_counter() - START:.0f} s)"
+    )
     out = []
     for row in rows:
         name = row["variant"]
@@ -255,9 +299,29 @@ def run_workload(
             for ref_name in ("eager", "inductor", "inductor-ro")
         }
         head = {"workload": row["workload"], "variant": name}
-        out.append({**head, **timing, **ratios, **{k: v for k, v in row.items() if k not in head}})
+        rest = {k: v for k, v in row.items() if k not in head}
+        out.append({**head, **timing, **ratios, **rest, **_footprint_vs_ro(rows, row)})
     torch._dynamo.reset()
+    # NOTE: printed per workload, so a run cut short keeps what it measured.
+    print(format_table(out), flush=True)
     return out
+
+
+def _reserved(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved(device))
+
+
+def _footprint_vs_ro(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
+    ro = next((r for r in rows if r["variant"] == "inductor-ro"), None)
+    own, other = row.get("footprint_mib"), None if ro is None else ro.get("footprint_mib")
+    if own is None or not other:
+        return {}
+    return {"footprint_vs_ro": own / other}
 
 
 def _round_ratio(medians: dict[str, list[float]], name: str, ref: str) -> float | None:
@@ -270,6 +334,9 @@ def _round_ratio(medians: dict[str, list[float]], name: str, ref: str) -> float 
 def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workloads", default=None, help="comma-separated subset of: train, forward_b1"
+    )
+    parser.add_argument(
+        "--models", default="llama,gpt2", help="comma-separated subset of: llama, gpt2"
     )
 
 
@@ -286,18 +353,20 @@ def main(argv: list[str] | None = None) -> int:
     unknown = wanted - {w.name for w in WORKLOADS}
     if unknown:
         raise SystemExit(f"unknown workloads: {sorted(unknown)}")
+    models = args.models.split(",")
+    if set(models) - set(MODELS):
+        raise SystemExit(f"unknown models: {sorted(set(models) - set(MODELS))}")
     variants = tuple(v for v in VARIANTS if device.type == "cuda" or not v.cuda_only)
-    print(f"Hugging Face Llama benchmark on {device} with {size}, {args.iters} iterations")
+    print(f"Hugging Face {models} benchmark on {device} with {size}, {args.iters} iterations")
     _warm_process(device)
     rows: list[dict[str, Any]] = []
-    for w in WORKLOADS:
-        if w.name in wanted:
-            rows += run_workload(w, variants, size, device, args.iters)
-    print()
-    print(format_table(rows))
+    for model_name in models:
+        for w in WORKLOADS:
+            if w.name in wanted:
+                rows += run_workload(model_name, w, variants, size, device, args.iters)
     if not args.no_append:
         notes = (
-            f"LlamaForCausalLM from a config, {size}. `train`: forward with labels + backward "
+            f"{', '.join(models)} (CausalLM models from configs), {size}. `train`: forward with labels + backward "
             "(no optimizer step); `forward_b1`: batch-1 forward of a fixed window, no KV cache "
             "(see the script's docstring). Each variant: fresh model copy, reset Dynamo, empty "
             "compile caches (`compile_s` is cold). Ratios are medians of "
@@ -305,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         path = append_results(
             "hf",
-            f"Hugging Face Llama: eager / Inductor / loom on {device}",
+            f"Hugging Face {' and '.join(models)}: eager / Inductor / loom on {device}",
             rows,
             notes,
             device=device,
