@@ -433,6 +433,10 @@ def test_or_error_message_names_the_step_and_the_switch() -> None:
         in (str(err))
     )
     assert "TORCHLOOM_CUDAGRAPH_OR_ERROR" in str(err)
+    from loom_sidefx import Refusal, RefusalError
+
+    assert isinstance(err, RefusalError) and err.reason is reason
+    assert isinstance(reason, Refusal)
 
 
 # --- held outputs ------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 import torch
 
+from loom_sidefx import Refusal, RefusalError
 from torchloom._step_guard import StepTargets
 
 __all__ = [
@@ -66,13 +67,10 @@ class StepRefusal(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StepUnsupported:
-    """What was refused, where (the user's ``file:line``), why, what to do instead."""
+class StepUnsupported(Refusal[StepRefusal]):
+    """What was refused, where (the user's ``file:line``), why, what to do instead
+    (a ``loom_sidefx.Refusal``); ``op`` names the operation or its source line."""
 
-    kind: StepRefusal
-    where: str
-    explanation: str
-    hint: str = ""
     op: str = ""
     #: Whether CUDA work runs uncaptured because of it (False on a host-only step).
     cuda_work: bool = True
@@ -85,16 +83,18 @@ class StepUnsupported:
         return f"{text} (hint: {self.hint})" if self.hint else text
 
 
-class CaptureStepError(RuntimeError):
+class CaptureStepError(RefusalError, RuntimeError):
     """Raised under ``cudagraph_or_error`` when a step would run uncaptured."""
 
+    reason: StepUnsupported
+
     def __init__(self, reason: StepUnsupported, step: str = "") -> None:
+        super().__init__(reason)
         where = f" {step}" if step else ""
-        super().__init__(
+        self.args = (
             f"cudagraph_or_error: capture_step{where} runs uncaptured: {reason}. "
-            "Unset cudagraph_or_error (or TORCHLOOM_CUDAGRAPH_OR_ERROR) to run it uncaptured."
+            "Unset cudagraph_or_error (or TORCHLOOM_CUDAGRAPH_OR_ERROR) to run it uncaptured.",
         )
-        self.reason = reason
 
 
 # --- where: the user's source line ----------------------------------------------------------
