@@ -825,3 +825,14 @@ def test_targets_of_helper_functions_the_step_calls() -> None:
     targets = find_targets(lambda x: train_step(x))
     assert [n for n, _ in targets.modules] == ["train_step._HELPER_MODEL"]
     assert [n for n, _ in targets.optimizers] == ["train_step._helper_update._HELPER_OPT"]
+
+
+def test_pointer_check_fallback_agrees_with_torch() -> None:
+    from torchloom._torch_compat import _step_data_ptrs_equal_py, step_data_ptrs_equal
+
+    a, b = torch.ones(2), torch.zeros(2)
+    objs: list[Any] = [a, 3, b]
+    ptrs: list[int | None] = [a.data_ptr(), None, b.data_ptr()]
+    for check in (step_data_ptrs_equal, _step_data_ptrs_equal_py):
+        assert check(objs, ptrs, [0, 2])
+        assert not check([a, 3, a], ptrs, [0, 2])

@@ -504,7 +504,19 @@ def step_graph_replay(graph: Any) -> Callable[[], object]:
     return replay
 
 
-#: ``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` in ``indices`` (lists), in one C++ call.
-step_data_ptrs_equal: Callable[[list[Any], list[int | None], list[int]], bool] = (
-    torch._C._tensors_data_ptrs_at_indices_equal
+def _step_data_ptrs_equal_py(
+    tensors: list[Any], ptrs: list[int | None], indices: list[int]
+) -> bool:
+    """The Python spelling of the C++ check (torch 2.13 and later removed it)."""
+    for i in indices:
+        t = tensors[i]
+        if not isinstance(t, torch.Tensor) or t.data_ptr() != ptrs[i]:
+            return False
+    return True
+
+
+#: ``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` in ``indices`` (lists): one C++
+#: call where torch has it (2.11, 2.12), a Python loop with the same answer elsewhere.
+step_data_ptrs_equal: Callable[[list[Any], list[int | None], list[int]], bool] = getattr(
+    torch._C, "_tensors_data_ptrs_at_indices_equal", _step_data_ptrs_equal_py
 )
