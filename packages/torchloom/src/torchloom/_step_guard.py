@@ -505,7 +505,12 @@ def find_targets(fn: Callable[..., Any], extra: Iterable[Any] = ()) -> StepTarge
         elif depth == 0 and isinstance(obj, dict):
             for k, v in obj.items():
                 add(f"{name}[{k!r}]", v, None, 1)
-        elif depth == 0 and hasattr(obj, "__dict__") and not callable(obj):
+        elif (
+            depth == 0
+            and hasattr(obj, "__dict__")
+            and not callable(obj)
+            and not isinstance(obj, types.ModuleType)
+        ):
             attrs = vars(obj)
             for k, v in list(attrs.items()):
                 add(f"{name}.{k}", v, functools.partial(attrs.get, k), 1)
