@@ -160,7 +160,8 @@ class LocalStore:
     def _describe(self, exc: OSError) -> str:
         if isinstance(exc, UnsafeStoreError):
             return str(exc)
-        return f"cache directory {self.root} unusable: {exc.strerror or exc}"
+        why = "not a directory" if exc.errno == errno.EEXIST else (exc.strerror or str(exc))
+        return f"cache directory {self.root} unusable: {why}"
 
     def _turn_off(self, reason: str, *, warn: bool = True) -> None:
         self.off = reason
