@@ -224,6 +224,15 @@ class LocalStore:
                     "unless TORCHLOOM_CACHE_KEY is set; use a private directory",
                     path,
                 )
+            elif st.st_mode & stat.S_IWGRP and not self._shared:
+                _warn_once(
+                    path,
+                    "group",
+                    "loom cache: %s is writable by its group: its members can plant entries "
+                    "unless TORCHLOOM_CACHE_KEY is set (TORCHLOOM_CACHE_MODE=shared says "
+                    "this is meant)",
+                    path,
+                )
 
     def _not_stored(self, reason: str) -> PutResult:
         if not self._warned:
