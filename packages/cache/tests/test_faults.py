@@ -307,6 +307,19 @@ def test_a_world_writable_directory_is_warned_about_once(
     assert "writable by every user" in warning
 
 
+def test_a_group_writable_directory_is_warned_about_unless_shared(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in ("private", "shared"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name).chmod(0o770)
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    LocalStore(tmp_path / "private")
+    LocalStore(tmp_path / "shared", config=CacheConfig(mode="shared"))
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "writable by its group" in warning and "private" in warning
+
+
 def test_a_directory_owned_by_someone_else_is_warned_about(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -160,7 +160,8 @@ class LocalStore:
     def _describe(self, exc: OSError) -> str:
         if isinstance(exc, UnsafeStoreError):
             return str(exc)
-        return f"cache directory {self.root} unusable: {exc.strerror or exc}"
+        why = "not a directory" if exc.errno == errno.EEXIST else (exc.strerror or str(exc))
+        return f"cache directory {self.root} unusable: {why}"
 
     def _turn_off(self, reason: str, *, warn: bool = True) -> None:
         self.off = reason
@@ -221,6 +222,15 @@ class LocalStore:
                     "world",
                     "loom cache: %s is writable by every user: anyone can plant entries "
                     "unless TORCHLOOM_CACHE_KEY is set; use a private directory",
+                    path,
+                )
+            elif st.st_mode & stat.S_IWGRP and not self._shared:
+                _warn_once(
+                    path,
+                    "group",
+                    "loom cache: %s is writable by its group: its members can plant entries "
+                    "unless TORCHLOOM_CACHE_KEY is set (TORCHLOOM_CACHE_MODE=shared says "
+                    "this is meant)",
                     path,
                 )
 
