@@ -30,7 +30,11 @@ PYTHON = ["3.11"]
 NEWEST_TORCH = "2.15.0"
 BETWEEN_TORCH = ["2.13.0", "2.14.1"]
 #: What the tests import besides torch and the packages (the root's dev group).
-TEST_DEPS = ["pytest>=8.3", "redis>=5", "numpy>=1.26", "rich>=13"]
+TEST_DEPS = ["pytest>=8.3", "pytest-xdist>=3.6", "redis>=5", "numpy>=1.26", "rich>=13"]
+#: The integration corpus and the newest release's unit tests run on every core
+#: (pytest-xdist): most of their time is single-threaded compilation and child processes.
+PARALLEL = ("-n", "auto")
+MARKS = ("-m", "not gpu and not multigpu")
 
 # folder under packages/ -> distribution name
 PACKAGES: dict[str, str] = {
@@ -95,12 +99,7 @@ def integration(session: nox.Session) -> None:
     """The backend end to end against eager, on CPU."""
     _sync(session, "--all-packages")
     session.run(
-        "pytest",
-        "tests_integration",
-        "-m",
-        "not gpu and not multigpu",
-        *session.posargs,
-        env=_pytest_env(),
+        "pytest", "tests_integration", *MARKS, *PARALLEL, *session.posargs, env=_pytest_env()
     )
 
 
@@ -112,10 +111,11 @@ def newest(session: nox.Session) -> None:
     reason (``transformers`` is pure Python and installed).
     """
     _install_release(session, NEWEST_TORCH, "transformers>=4.46")
-    marks = ("-m", "not gpu and not multigpu")
-    for folder in PACKAGES:
-        session.run("pytest", f"packages/{folder}/tests", *marks, env=_pytest_env())
-    session.run("pytest", "tests_integration", *marks, *session.posargs, env=_pytest_env())
+    units = [f"packages/{folder}/tests" for folder in PACKAGES]
+    session.run("pytest", *units, *MARKS, *PARALLEL, env=_pytest_env())
+    session.run(
+        "pytest", "tests_integration", *MARKS, *PARALLEL, *session.posargs, env=_pytest_env()
+    )
 
 
 @nox.session(python=PYTHON)

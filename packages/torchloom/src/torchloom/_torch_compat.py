@@ -298,10 +298,17 @@ def backed_symints(args: Sequence[Any]) -> list[Any]:
 
 
 def entry_guards_hold(guards: str, symints: Sequence[Any]) -> bool:
-    """Whether a stored AOTAutograd entry's shape guards hold for ``symints``."""
-    from torch.fx.experimental.symbolic_shapes import size_hint
+    """Whether a stored AOTAutograd entry's shape guards hold for ``symints``.
 
-    return bool(autograd_cache().evaluate_guards(guards, [size_hint(s) for s in symints]))
+    The hints are what AOTAutograd's own lookup passes: ``size_hint`` on 2.11 and
+    2.12, ``guarding_hint_or_throw`` on 2.13 and later (``size_hint`` is gone).
+    """
+    from torch.fx.experimental import symbolic_shapes
+
+    hint: Callable[[Any], Any] = getattr(
+        symbolic_shapes, "guarding_hint_or_throw", None
+    ) or getattr(symbolic_shapes, "size_hint")  # noqa: B009
+    return bool(autograd_cache().evaluate_guards(guards, [hint(s) for s in symints]))
 
 
 def aot_cache_info(key: str, symints: Sequence[Any]) -> Any:
