@@ -131,6 +131,7 @@ def _routed_to(
                     "boxed_forward_device_index": boxed_forward_device_index,
                 }
                 compiled = entry.wrap_post_compile(args, aot_config, fx_config)
+                compat.publish_entry_fw_metadata(entry)
                 slot.loaded = True
                 return compiled
             except compat.CONTROL_FLOW_EXCEPTIONS:
