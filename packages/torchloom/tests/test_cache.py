@@ -196,6 +196,55 @@ def test_second_process_gets_a_full_hit_with_identical_outputs_and_gradients(
     assert runs[0][1:] == runs[1][1:]
 
 
+class _Layers(torch.nn.Module):
+    # NOTE: a module of the user's own: Dynamo graph-breaks at DDP's forward and
+    # compiles the wrapped module's forward as a frame of its own, which it skips
+    # when that forward is torch.nn code (an nn.Sequential).
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x))
+        return x
+
+
+def _ddp_step(init_file: Path) -> tuple[list[str], list[torch.Tensor]]:
+    """One step of a DDP-wrapped model compiled fresh (one rank, gloo): Dynamo's DDP
+    optimizer splits the graph at bucket boundaries and compiles each piece with loom."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torchloom.reset()
+    torch._dynamo.reset()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = _Layers()
+        # NOTE: 1 MiB is the smallest cap Dynamo's DDP optimizer accepts (DDP's first
+        # bucket); each Linear holds just over 1 MiB, so each is a bucket of its own.
+        ddp = DDP(model, bucket_cap_mb=1)
+        compiled = torch.compile(ddp, backend="loom", options=EAGER)
+        compiled(torch.ones(3, 512)).pow(2).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    finally:
+        dist.destroy_process_group()
+    return [e.kind for e in torchloom.report().entries("cache")], grads
+
+
+def test_ddp_optimizer_buckets_served_from_the_cache(tmp_path: Path) -> None:
+    """A hit leaves the forward metadata on the tracing context as a cold compile does:
+    Dynamo's DDP optimizer asserts it after every bucket it compiled through AOTAutograd."""
+    cold_kinds, cold_grads = _ddp_step(tmp_path / "pg-cold")
+    buckets = len(torchloom.report())
+    assert buckets == 3 and "stored" in cold_kinds
+    hit_kinds, hit_grads = _ddp_step(tmp_path / "pg-hit")
+    assert hit_kinds == ["hit"] * buckets
+    for a, b in zip(cold_grads, hit_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 _GRAD_HOOK_PROCESS = r"""
 import torch, torchloom
 from loom_hops import _grad_hook_inline

@@ -119,6 +119,7 @@ def _routed_to(
                 if guards and not compat.entry_guards_hold(guards, symints):
                     raise LookupError(f"shape guards of the stored entry fail: {guards}")
                 compiled = entry.wrap_post_compile(args, aot_config, fx_config)
+                compat.publish_entry_fw_metadata(entry)
                 slot.loaded = True
                 return compiled
             except compat.CONTROL_FLOW_EXCEPTIONS:

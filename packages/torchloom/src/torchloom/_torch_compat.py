@@ -59,6 +59,7 @@ __all__ = [
     "inductor_pre_grad_passes",
     "mark_boxed",
     "num_model_outputs",
+    "publish_entry_fw_metadata",
     "register_backend",
     "reload_inductor_segment",
     "segment_codegen_strides",
@@ -380,6 +381,20 @@ def aot_try_load_slot(key: str, load: AotLoad) -> Callable[..., Any]:
         return None, dataclasses.replace(aot_config, cache_info=info)
 
     return try_load
+
+
+def publish_entry_fw_metadata(entry: Any) -> None:
+    """Leave a stored AOTAutograd entry's forward metadata on the tracing context, as a
+    cold compile does (``graph_compile``: ``tracing_context.fw_metadata = ...``).
+
+    Dynamo's DDP optimizer reads ``TracingContext.fw_metadata`` after each bucket's
+    compile that went through AOTAutograd and asserts it is set.
+    """
+    ctx = TracingContext.try_get()
+    if ctx is None:
+        return
+    subclass_meta = getattr(entry, "maybe_subclass_meta", None)
+    ctx.fw_metadata = entry.runtime_metadata if subclass_meta is None else subclass_meta.fw_metadata
 
 
 def autograd_cache_forced() -> contextlib.AbstractContextManager[None]:
