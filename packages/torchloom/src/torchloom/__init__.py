@@ -14,13 +14,15 @@ one CUDA graph.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 # NOTE: names load on first use (PEP 562), so `import torchloom` and the
 # `torchloom` command start without torch, Dynamo or Inductor; the backend is
 # registered through the `torch_dynamo_backends` entry point, not by import.
-# The first name loaded imports torchloom._release first, which warns once on a
-# torch outside the tested range (so does torchloom._backend, the entry point).
+# torchloom._release warns once on a torch outside the tested range: at import
+# when torch is already imported (the backend's case), else with the first name
+# loaded (and torchloom._backend, the entry point, imports it too).
 if TYPE_CHECKING:
     from loom_hops import grad_hook
     from torchloom._api import reset
@@ -61,6 +63,10 @@ _LAZY = {
     ),
     "GraphKind": "torchloom._values",
 }
+
+
+if "torch" in sys.modules:
+    importlib.import_module("torchloom._release")
 
 
 def __getattr__(name: str) -> Any:
