@@ -33,7 +33,8 @@ Configurations (``--config``, several allowed; default: all):
   ranks sharing one ``TORCHLOOM_CACHE_DIR``. Each rank's cache entries from
   ``torchloom.report()`` are printed; with ``--expect-hits`` (the second
   ``torchrun`` on the same directory) every rank must hit and none may miss.
-- ``fsdp2-cudagraphs`` (GPU only): FSDP2 with ``skip_fsdp_hooks=False`` and
+- ``fsdp2-cudagraphs`` (GPU only): FSDP2 with ``skip_fsdp_hooks=False``,
+  compiled autograd on (the backward graph holds the collectives) and
   ``cudagraphs=True``. Either loom captures and the steps match eager, or the
   segments it leaves uncaptured name the collective (skip kind
   ``COLLECTIVE``). On CPU the configuration reports ``SKIP`` (gloo has no CUDA
@@ -495,7 +496,8 @@ def run_cache(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
 
 def run_fsdp2_cudagraphs(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """GPU only: FSDP2 with its hooks traced into loom's graphs and CUDA graphs on."""
+    """GPU only: FSDP2 traced with compiled autograd (collectives in the backward graph)
+    and CUDA graphs on: captured segments, or skips of kind ``collective``."""
     if device.type != "cuda":
         return {"verdict": "SKIP", "reason": "GPU only: CUDA graphs need CUDA devices and NCCL"}
     inputs = _inputs(args, device)
@@ -513,7 +515,10 @@ def run_fsdp2_cudagraphs(args: argparse.Namespace, device: torch.device) -> dict
             torchloom.reset()
             continue
         kwargs = _compile_kwargs(args, cudagraphs=True)
-        with _dynamo(skip_fsdp_hooks=False):
+        # NOTE: compiled autograd puts FSDP2's all-gathers and reduce-scatters into
+        # the backward graph, so the planner meets the collectives themselves.
+        ca = torch.compile(fullgraph=True, **kwargs)
+        with _dynamo(skip_fsdp_hooks=False, compiled_autograd=ca):
             run = torch.compile(model, **kwargs)
             sides[side] = _steps(model, lambda x, r=run: r(x).square().mean(), inputs, opt, device)
     report = _report()
