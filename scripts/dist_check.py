@@ -13,7 +13,8 @@ Configurations (``--config``, several allowed; default: all):
   ``torch.float8_e4m3fn`` with a per-tensor scale, unpack casts back), against
   eager FSDP2 under the same hooks. loom compiles the hooks into its graphs
   (report area ``hooks``: ``placed``). Losses and gradients must agree within
-  fp8 tolerance; on CUDA each rank's peak memory is reported against eager's.
+  fp8 tolerance; on CUDA each rank's peak memory is reported against eager's
+  with the hooks (``eager_peaks``) and without them (``eager_nohooks_peaks``).
 - ``fsdp2-ca-hf``: a Hugging Face ``LlamaForCausalLM`` built from a config
   (random weights, nothing downloaded), each decoder layer and the root
   sharded, ``skip_fsdp_hooks=False`` and compiled autograd on (the "traced-ca"
@@ -248,6 +249,13 @@ def run_fsdp2_hooks(args: argparse.Namespace, device: torch.device) -> dict[str,
 
             torchloom.reset()
     report = _report()
+    nohooks_peaks: list[Any] = [None] * dist.get_world_size()
+    if device.type == "cuda":  # what the fp8 hooks save: eager FSDP2 without them
+        model = _transformer(args, device)
+        model = _sharded(model, _transformer_blocks(model))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        plain = _steps(model, lambda x, m=model: m(x).square().mean(), inputs, opt, device)
+        nohooks_peaks = _gather(plain["peak"])
     cmp = _compare(sides["eager"], sides["loom"])
     placed = report["entries"].get("hooks", {}).get("placed", 0)
     peaks, eager_peaks = _gather(sides["loom"]["peak"]), _gather(sides["eager"]["peak"])
@@ -263,6 +271,7 @@ def run_fsdp2_hooks(args: argparse.Namespace, device: torch.device) -> dict[str,
         "hooks_placed_graphs": placed,
         "peaks": peaks,
         "eager_peaks": eager_peaks,
+        "eager_nohooks_peaks": nohooks_peaks,
         "eager_losses": sides["eager"]["losses"],
         "losses": sides["loom"]["losses"],
         **cmp,
