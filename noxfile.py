@@ -1,10 +1,15 @@
 """nox sessions for the torchloom workspace.
 
-Each unit and mypy session syncs only one workspace member (plus the root's dev
-group) into its own virtual environment with ``uv sync --locked --package``, so
-an import of an undeclared sibling fails there. ``nox`` with no arguments runs
+Each unit session syncs only one workspace member (plus the root's dev group)
+into its own virtual environment with ``uv sync --locked --package``, so an
+import of an undeclared sibling fails there. ``nox`` with no arguments runs
 every session that needs no GPU; the ``gpu`` tier runs through
 ``scripts/gpu_tier.sh`` on the GPU machine.
+
+torch releases (docs/releases.md): the ``unit-*``, ``mypy``, ``integration`` and
+``lint`` sessions run on the locked torch (2.11); ``newest`` runs every package's
+unit tests and the integration corpus on the newest release; ``smoke`` runs
+``tests_integration/test_release_smoke.py`` on each release in between.
 """
 
 from __future__ import annotations
@@ -18,6 +23,18 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = False
 
 PYTHON = ["3.11"]
+
+#: The newest torch release on the index (CI runs everything on it) and the ones
+#: between it and the locked 2.11 (CI runs the smoke test on them). Keep in step
+#: with TESTED_RELEASES in torchloom/_release.py and the packages' metadata.
+NEWEST_TORCH = "2.15.0"
+BETWEEN_TORCH = ["2.13.0", "2.14.1"]
+#: What the tests import besides torch and the packages (the root's dev group).
+TEST_DEPS = ["pytest>=8.3", "pytest-xdist>=3.6", "redis>=5", "numpy>=1.26", "rich>=13"]
+#: The integration corpus and the newest release's unit tests run on every core
+#: (pytest-xdist): most of their time is single-threaded compilation and child processes.
+PARALLEL = ("-n", "auto")
+MARKS = ("-m", "not gpu and not multigpu")
 
 # folder under packages/ -> distribution name
 PACKAGES: dict[str, str] = {
@@ -55,12 +72,26 @@ for _folder, _dist in PACKAGES.items():
             env=_pytest_env(),
         )
 
-    def _mypy(session: nox.Session, folder: str = _folder, dist: str = _dist) -> None:
-        _sync(session, "--package", dist)
+    nox.session(name=f"unit-{_folder}", python=PYTHON)(_unit)
+
+
+@nox.session(python=PYTHON)
+def mypy(session: nox.Session) -> None:
+    """``mypy --strict`` over each package's sources, one package per run, in one
+    environment: the runs share mypy's cache, so torch's stubs are analysed once."""
+    _sync(session, "--all-packages")
+    folders = session.posargs or list(PACKAGES)
+    for folder in folders:
         session.run("mypy", f"packages/{folder}/src")
 
-    nox.session(name=f"unit-{_folder}", python=PYTHON)(_unit)
-    nox.session(name=f"mypy-{_folder}", python=PYTHON)(_mypy)
+
+def _install_release(session: nox.Session, torch_version: str, *extra: str) -> None:
+    """torch ``torch_version`` from the index, the test dependencies and every
+    workspace member (editable, without their dependencies: torch is the one given)."""
+    members = [arg for folder in PACKAGES for arg in ("-e", f"packages/{folder}")]
+    session.run_install("uv", "pip", "install", f"torch=={torch_version}", *TEST_DEPS, *extra)
+    session.run_install("uv", "pip", "install", "--no-deps", *members)
+    session.run("python", "-c", "import torch, torchloom; print('torch', torch.__version__)")
 
 
 @nox.session(python=PYTHON)
@@ -68,12 +99,33 @@ def integration(session: nox.Session) -> None:
     """The backend end to end against eager, on CPU."""
     _sync(session, "--all-packages")
     session.run(
-        "pytest",
-        "tests_integration",
-        "-m",
-        "not gpu and not multigpu",
-        *session.posargs,
-        env=_pytest_env(),
+        "pytest", "tests_integration", *MARKS, *PARALLEL, *session.posargs, env=_pytest_env()
+    )
+
+
+@nox.session(python=PYTHON)
+def newest(session: nox.Session) -> None:
+    """Every package's unit tests, then the integration corpus, on the newest torch.
+
+    No torchvision is published for it yet: the ResNet-18 tests skip with that
+    reason (``transformers`` is pure Python and installed).
+    """
+    _install_release(session, NEWEST_TORCH, "transformers>=4.46")
+    units = [f"packages/{folder}/tests" for folder in PACKAGES]
+    session.run("pytest", *units, *MARKS, *PARALLEL, env=_pytest_env())
+    session.run(
+        "pytest", "tests_integration", *MARKS, *PARALLEL, *session.posargs, env=_pytest_env()
+    )
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("torch_version", BETWEEN_TORCH)
+def smoke(session: nox.Session, torch_version: str) -> None:
+    """The releases between the locked and the newest: import, a training step with
+    saved-tensor hooks in the graph and CUDA graphs requested, a cache hit."""
+    _install_release(session, torch_version)
+    session.run(
+        "pytest", "tests_integration/test_release_smoke.py", *session.posargs, env=_pytest_env()
     )
 
 

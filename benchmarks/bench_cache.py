@@ -9,6 +9,15 @@ backward, synchronized). The child also reports loom's per-stage costs and the
 hit counters, so the table shows what a warm start skips.
 
     python benchmarks/bench_cache.py --device cpu --quick
+
+``--store`` measures the store itself instead (CPU, no compile): the cost of a
+``put`` and of a ``lookup`` hit against the number of entries already stored
+(0, 2,000, 20,000; signed with a key, as a fleet runs), the one-time ledger
+count of a store first opened at that size, and ``torchloom cache stats`` /
+``list`` run in-process and as a fresh ``torchloom`` process (next to a fresh
+``python -c "import torch"``)::
+
+    python benchmarks/bench_cache.py --store
 """
 
 from __future__ import annotations
@@ -27,6 +36,83 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import append_results, format_table, parse_args, ratio
 
 _CHILD = "--child"
+_STORE_SIZES = (0, 2_000, 20_000)
+
+
+def _fill(store: Any, n: int, payload: bytes) -> None:
+    """``n`` entries written as files with their index lines, as earlier processes'
+    puts would have left them (without the fsync of each, to fill 20,000 quickly)."""
+    from loom_cache import CacheKey, Entry, KeyComponent, encode_entry
+
+    key = store.config.keys[0] if store.config.keys else None
+    for i in range(n):
+        entry = Entry(CacheKey("bench", (KeyComponent("graph", f"{i:064x}", "g"),)), payload)
+        path = store.path_of(entry.digest)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(encode_entry(entry, key=key))
+        store._index_append(entry)
+
+
+def _timed_process(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def _store_bench(puts: int, lookups: int) -> list[dict[str, Any]]:
+    import contextlib
+    import io
+
+    from loom_cache import CacheConfig, CacheKey, Entry, KeyComponent, LocalStore, cache_main
+
+    rows: list[dict[str, Any]] = []
+    payload = bytes(range(256)) * 16  # 4 KiB
+    config = CacheConfig(keys=(b"bench-key-0123456789abcdef",), max_bytes=1 << 40)
+    torch_s = _timed_process([sys.executable, "-c", "import torch"])
+    for n in _STORE_SIZES:
+        with tempfile.TemporaryDirectory() as tmp:
+            store = LocalStore(tmp, config=config)
+            _fill(store, n, payload)
+            new = [
+                Entry(
+                    CacheKey("bench", (KeyComponent("graph", f"{n + i + 1:064x}", "g"),)), payload
+                )
+                for i in range(puts + 1)
+            ]
+            start = time.perf_counter()
+            store.put(new[0])  # the ledger counts the store once
+            first = time.perf_counter() - start
+            put_s = []
+            for entry in new[1:]:
+                start = time.perf_counter()
+                assert store.put(entry).stored
+                put_s.append(time.perf_counter() - start)
+            hit_s = []
+            for entry in (new[1:] * (lookups // puts + 1))[:lookups]:
+                start = time.perf_counter()
+                assert store.lookup(entry.digest).hit
+                hit_s.append(time.perf_counter() - start)
+            timings = {}
+            for command in ("stats", "list"):
+                start = time.perf_counter()
+                with contextlib.redirect_stdout(io.StringIO()):
+                    cache_main(["--dir", tmp, command], config=config)
+                timings[command] = time.perf_counter() - start
+            cli = [sys.executable, "-m", "torchloom", "cache", "--dir", tmp, "list"]
+            rows.append(
+                {
+                    "entries": n,
+                    "put ms (median)": round(median(put_s) * 1e3, 3),
+                    "lookup hit ms (median)": round(median(hit_s) * 1e3, 3),
+                    "first put ms (ledger count)": round(first * 1e3, 1),
+                    "cache stats s": round(timings["stats"], 3),
+                    "cache list s": round(timings["list"], 3),
+                    "`torchloom cache list` process s": round(_timed_process(cli), 2),
+                    "`import torch` process s": round(torch_s, 2),
+                }
+            )
+            print(rows[-1], flush=True)
+    return rows
 
 
 def _child(backend: str, device: str, quick: bool) -> None:
@@ -104,15 +190,34 @@ def _run(backend: str, device: str, quick: bool, env: dict[str, str]) -> dict[st
 
 
 def main() -> int:
-    args = parse_args(
-        __doc__.splitlines()[0],
-        configure=lambda p: p.add_argument(
+    def configure(p: Any) -> None:
+        p.add_argument(
             "--warm-repeats",
             type=int,
             default=None,
             help="warm processes per backend, median taken (default: 3 on cpu, 1 on cuda)",
-        ),
-    )
+        )
+        p.add_argument(
+            "--store",
+            action="store_true",
+            help="measure put/lookup/list against the store's size instead (CPU)",
+        )
+
+    args = parse_args(__doc__.splitlines()[0], configure=configure)
+    if args.store:
+        puts = 20 if args.quick else 200
+        store_rows = _store_bench(puts, 10 * puts)
+        print(format_table(store_rows))
+        if not args.no_append:
+            notes = (
+                f"`python benchmarks/bench_cache.py --store`: the local store (entries of "
+                f"4 KiB, signed), {puts} puts and {10 * puts} lookup hits per size, medians. A put "
+                "includes its fsync; the first put of a process that opens a store without a "
+                "ledger counts the store once. `cache stats`/`list` in-process, then as a fresh "
+                "`torchloom cache list` process beside a fresh `import torch`."
+            )
+            append_results("cache", "store cost vs size (cpu)", store_rows, notes, device="cpu")
+        return 0
     if args.warm_repeats is None:
         args.warm_repeats = 1 if args.device == "cuda" else 3
     rows: list[dict[str, Any]] = []

@@ -27,6 +27,7 @@ training steps and 1.5x on the one-kernel step.
 
     python benchmarks/bench_step.py --device cuda
     python benchmarks/bench_step.py --smoke        # CPU: checks that it runs (uncaptured)
+    python benchmarks/bench_step.py --micro --no-append   # capture_step's host cost per call
 """
 
 from __future__ import annotations
@@ -219,6 +220,68 @@ def variants(setup: Setup, device: torch.device, smoke: bool) -> dict[str, Calla
     }
 
 
+class _NoopDevice:
+    """A capture that runs the step once and a replay that does nothing: what is
+    left of a call is capture_step's own host work (guards, copies, gradients)."""
+
+    type = "cpu"
+
+    def available(self) -> bool:
+        return True
+
+    def warm_up(self, fn: Callable[[], Any], syncs: list[Any]) -> Any:
+        return fn()
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        return None, fn()
+
+    def replayer(self, graph: Any) -> Callable[[], object]:
+        return lambda: None
+
+
+def micro(calls: int = 20000, rounds: int = 5) -> list[dict[str, Any]]:
+    """Microseconds per call of capture_step's host path with a replay that does
+    nothing, on the MLP and GPT-stack training steps (CPU, SGD with momentum)."""
+    import time
+
+    from torchloom._capture_step import CapturedStep
+
+    rows = []
+    for name in ("mlp_train", "gpt_train"):
+        (w,) = [w for w in workloads() if w.name == name]
+        model, x = w.build(size_for(torch.device("cpu"), True), torch.device("cpu"))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+        def train_step(x: torch.Tensor, model: nn.Module = model, opt: Any = opt) -> torch.Tensor:
+            opt.zero_grad()
+            loss = _mean_square(model, x)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        step = CapturedStep(
+            train_step, torchloom.resolve_options(env={}), [model, opt], device=_NoopDevice()
+        )
+        for _ in range(5):
+            step(x)
+        assert step.stats().replays == 2, step.stats().format()
+        samples = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls // rounds):
+                step(x)
+            samples.append((time.perf_counter() - t0) / (calls // rounds) * 1e6)
+        rows.append(
+            {
+                "case": name,
+                "params": len(list(model.parameters())),
+                "median_us": sorted(samples)[len(samples) // 2],
+                "min_us": min(samples),
+            }
+        )
+    return rows
+
+
 def _capture_state() -> str | None:
     entries = torchloom.report().entries("capture_step")
     if not entries:
@@ -294,10 +357,23 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="CPU check that it runs: tiny sizes, 2 iterations"
     )
+    parser.add_argument(
+        "--micro",
+        action="store_true",
+        help="capture_step's host cost per call, with a replay that does nothing (CPU)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__.splitlines()[0] if __doc__ else "", argv, _configure)
+    if args.micro:
+        rows = micro()
+        print(format_table(rows))
+        if not args.no_append:
+            notes = "Microseconds per call of capture_step with a replay that does nothing."
+            path = append_results("step", "capture_step per-call host path", rows, notes)
+            print(f"appended to {path}")
+        return 0
     if args.smoke:
         args.device, args.quick, args.iters, args.no_append = "cpu", True, 2, True
     device = torch.device(args.device)

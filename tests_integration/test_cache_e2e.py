@@ -38,10 +38,13 @@ print("RESULT " + json.dumps({
 """
 
 
+_CACHE_VARS = ("TORCHLOOM_REMOTE_CACHE", "TORCHLOOM_CACHE_KEY", "TORCHLOOM_CACHE_NAMESPACE")
+
+
 def _run(env: dict[str, str], device: str = "cpu", codegen: str = "eager") -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, device, codegen],
-        env={**{k: v for k, v in os.environ.items() if k != "TORCHLOOM_REMOTE_CACHE"}, **env},
+        env={**{k: v for k, v in os.environ.items() if not k.startswith(_CACHE_VARS)}, **env},
         capture_output=True,
         text=True,
         timeout=900,
@@ -201,7 +204,11 @@ def redis_url() -> Iterator[str]:
 
 def test_a_second_machine_hits_through_redis(tmp_path: Path, redis_url: str) -> None:
     # Two "machines": separate local stores, one shared Redis tier.
-    cold = _run(_env(tmp_path / "a", TORCHLOOM_REMOTE_CACHE=redis_url))
-    warm = _run(_env(tmp_path / "b", TORCHLOOM_REMOTE_CACHE=redis_url))
+    fleet = {
+        "TORCHLOOM_REMOTE_CACHE": redis_url,
+        "TORCHLOOM_CACHE_KEY": "fleet-key-0123456789abcdef",
+    }
+    cold = _run(_env(tmp_path / "a", **fleet))
+    warm = _run(_env(tmp_path / "b", **fleet))
     assert cold["cache"] == ["miss", "stored"] and warm["cache"] == ["hit"]
     _assert_same_numbers(cold, warm)

@@ -17,6 +17,17 @@ REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 PythonRunner = Callable[..., str]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_cache_config() -> Iterator[None]:
+    """Each test resolves the cache's environment afresh (and sees its warnings)."""
+    from loom_cache import _config, _local
+
+    _config._resolve.cache_clear()
+    _local._warned_roots.clear()
+    yield
+    _config._resolve.cache_clear()
+
+
 def _run_python(code: str, *, hashseed: str, env: dict[str, str] | None = None) -> str:
     """Run ``code`` in a fresh interpreter and return its stripped stdout."""
     full_env = {**os.environ, "PYTHONHASHSEED": hashseed, **(env or {})}

@@ -34,7 +34,7 @@ def test_flipped_payload_byte_fails_the_checksum() -> None:
 
 
 def test_other_format_version_is_refused() -> None:
-    data = encode_entry(_entry()).replace(b'"format": 1', b'"format": 9')
+    data = encode_entry(_entry()).replace(b'"format": 2', b'"format": 9')
     with pytest.raises(EntryError, match="format 9"):
         decode_entry(data)
 
@@ -55,4 +55,4 @@ def test_header_is_plain_json() -> None:
     data = encode_entry(_entry())
     length = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 4], "little")
     header = json.loads(data[len(MAGIC) + 4 : len(MAGIC) + 4 + length])
-    assert header["format"] == 1 and header["key"]["program"] == "prog"
+    assert header["format"] == 2 and header["key"]["program"] == "prog"

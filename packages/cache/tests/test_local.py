@@ -81,7 +81,7 @@ def test_garbage_and_version_mismatch_are_misses(tmp_path: Path) -> None:
     store.path_of(digest).write_bytes(b"\x00garbage")
     assert "magic" in store.lookup(digest).reason
     store.path_of(digest).write_bytes(
-        encode_entry(_entry(5)).replace(b'"format": 1', b'"format": 2')
+        encode_entry(_entry(5)).replace(b'"format": 2', b'"format": 1')
     )
     assert "format" in store.lookup(digest).reason
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from loom_cache import (
+    CacheConfig,
     CacheKey,
     Entry,
     KeyComponent,
@@ -28,8 +29,9 @@ def test_second_machine_hits_through_redis_and_fills_its_local_tier(
     tmp_path: Path, redis_server: object
 ) -> None:
     url = redis_server.url  # type: ignore[attr-defined]
-    first = TieredStore(LocalStore(tmp_path / "a"), RedisStore(url))
-    second = TieredStore(LocalStore(tmp_path / "b"), RedisStore(url))
+    config = CacheConfig(keys=(b"fleet-key-0123456789abcdef",))
+    first = TieredStore(LocalStore(tmp_path / "a", config=config), RedisStore(url, config=config))
+    second = TieredStore(LocalStore(tmp_path / "b", config=config), RedisStore(url, config=config))
     first.put(_entry(1))
     found = second.lookup(_entry(1).digest)
     assert found.hit and found.tier == "redis"
@@ -82,6 +84,7 @@ def test_the_redis_password_never_reaches_a_log_line_or_error(
     monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE", url)
     monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE_TIMEOUT", "0.2")
+    monkeypatch.setenv("TORCHLOOM_CACHE_KEY", "fleet-key-0123456789abcdef")
     store = open_default_store()
     store.lookup(_entry(1).digest)
     store.put(_entry(1))
@@ -102,6 +105,7 @@ def test_an_unusable_password_url_is_ignored_without_showing_the_password(
 ) -> None:
     monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE", "nosuch://:s3cr3t-pw@host:1/0")
+    monkeypatch.setenv("TORCHLOOM_CACHE_KEY", "fleet-key-0123456789abcdef")
     caplog.set_level(logging.WARNING, logger="torchloom.cache")
     assert open_default_store().remote is None
     (warning,) = [r.getMessage() for r in caplog.records]

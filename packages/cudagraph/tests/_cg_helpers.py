@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
 import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -50,3 +51,12 @@ def plan_of(
 
 
 CUDA = "cuda"
+
+#: Fake CUDA tensors can be made on any build, but ops that dispatch to the CUDA
+#: backend while tracing (``.cuda()``, CUDA factories, device copies) need a torch
+#: built with CUDA; the CPU-only wheels (``+cpu``) raise "not linked with support
+#: for cuda devices". A property of the wheel, not of the release or the machine.
+needs_cuda_build = pytest.mark.skipif(
+    not torch.backends.cuda.is_built(),
+    reason="traces CUDA ops on fake tensors: needs a CUDA build of torch (this one is CPU-only)",
+)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 import torch.fx
-from _cg_helpers import CUDA, fake_inputs, plan_of, trace_fake
+from _cg_helpers import CUDA, fake_inputs, needs_cuda_build, plan_of, trace_fake
 
 from loom_cudagraph import (
     CudagraphOptions,
@@ -40,6 +40,7 @@ def test_meta_tensor_beside_cuda_tensor_is_captured_without_skip() -> None:
     assert plan.skips() == ()
 
 
+@needs_cuda_build
 def test_cpu_copy_in_the_middle_leaves_captured_segments_around_it() -> None:
     def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x1 = x + 1
@@ -67,6 +68,7 @@ def test_host_only_node_is_refused_but_is_no_cuda_skip() -> None:
     assert plan.skips() == ()
 
 
+@needs_cuda_build
 def test_item_and_nonzero_are_sync_and_data_dependent() -> None:
     def f(x: torch.Tensor) -> tuple[torch.Tensor, object, torch.Tensor]:
         return x + 1, x.sum().item(), torch.nonzero(x)
@@ -85,6 +87,7 @@ def test_masked_select_has_a_data_dependent_shape() -> None:
     assert not plan.segments[-1].captured
 
 
+@needs_cuda_build
 def test_integer_tensor_indexing_is_captured_and_boolean_masks_are_not() -> None:
     # aten.index.Tensor carries dynamic_output_shape for its mask form only
     def gather(t: torch.Tensor) -> torch.Tensor:
@@ -191,6 +194,7 @@ def test_getitem_follows_its_producer() -> None:
     assert any(n.startswith("getitem") for n in seg.nodes)
 
 
+@needs_cuda_build
 def test_small_segments_run_uncaptured_with_a_threshold() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return (x + 1).cpu().cuda() * 2
@@ -202,6 +206,7 @@ def test_small_segments_run_uncaptured_with_a_threshold() -> None:
     assert SkipReason.TOO_SMALL in {r.kind for r in plan.skips()}
 
 
+@needs_cuda_build
 def test_mutation_keeps_its_order_after_earlier_readers() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         host = x.cpu()
@@ -217,6 +222,7 @@ def test_mutation_keeps_its_order_after_earlier_readers() -> None:
     assert plan.segments[seg_of[copy_node]].mutated_inputs == ("x_1",)
 
 
+@needs_cuda_build
 def test_random_draws_keep_their_order() -> None:
     def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = torch.rand(4, device=x.device)
@@ -234,6 +240,7 @@ def test_random_draws_keep_their_order() -> None:
     assert flat == rands
 
 
+@needs_cuda_build
 def test_input_read_again_after_a_host_op_passes_through_the_first_segment() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         a = (x + 1).cpu()
@@ -245,6 +252,7 @@ def test_input_read_again_after_a_host_op_passes_through_the_first_segment() -> 
     assert "x_1" in last.inputs
 
 
+@needs_cuda_build
 def test_static_inputs_are_never_passed_through() -> None:
     def f(w: torch.Tensor) -> torch.Tensor:
         a = (w + 1).cpu()
@@ -263,6 +271,7 @@ def test_segment_inputs_keep_placeholder_order() -> None:
     assert plan.segments[0].inputs == ("saved_a_1", "saved_b_1", "tangent_1")
 
 
+@needs_cuda_build
 def test_plan_round_trips_through_json_and_is_deterministic() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return (x + 1).cpu().cuda() * torch.nonzero(x).sum()
@@ -319,6 +328,7 @@ def _valid_plan() -> PartitionPlan:
         (lambda p: dataclasses.replace(p, static_inputs=(3,)), "static input index out of range"),
     ],
 )
+@needs_cuda_build
 def test_check_reports_a_corrupted_plan(corrupt: object, message: str) -> None:
     plan = _valid_plan()
     plan.check()

@@ -19,6 +19,7 @@ from loom_sidefx import (
     SideEffectRefusal,
     SideEffectRefused,
     SideEffects,
+    Staged,
     TensorSlot,
     compile_guards,
     concrete,
@@ -229,7 +230,9 @@ def test_refusals_carry_the_current_location() -> None:
     se = SideEffects()
     se.where = "hooks.py:12"
     xs = se.track_existing([], None)
-    with pytest.raises(SideEffectRefused, match=r"^hooks.py:12: mutation of a pre-existing list"):
+    with pytest.raises(
+        SideEffectRefused, match=r"^\[no_source\] hooks.py:12: mutation of a pre-existing list"
+    ):
         se.list_append(xs, 1)
 
 
@@ -318,3 +321,37 @@ def test_reading_a_set_observes_its_elements() -> None:
     assert guard.describe() == "same_elements{'b', 1}(G['s'])"
     check = compile_guards(se.observed_guards())
     assert check(Roots((), g)) and not check(Roots((), {"s": {1}}))
+
+
+def test_staged_values_read_back_as_stored_and_resolve_results_first() -> None:
+    log: list[str] = []
+    se = SideEffects()
+    xs = se.track_existing([], GlobalSource("xs"))
+    kept = se.track_new(ObjKind.LIST, [Staged("in-new")])
+    dropped = se.track_new(ObjKind.LIST, [Staged("never-escapes")])
+    se.list_append(xs, Staged("appended"))
+    se.list_append(xs, kept)
+    assert se.list_items(xs) == (se.list_items(xs)[0], kept)
+    assert se.list_items(xs)[0].payload == "appended"
+    assert se.list_items(dropped)[0].payload == "never-escapes"
+
+    def resolve(payload: str) -> object:
+        log.append(payload)
+        return se.new_tensor_slot()
+
+    plan = se.build(results=(Staged("returned"),), resolve=resolve)
+    # The result first (its tensor is slot 0), then op arguments in program
+    # order, a new object's contents when it is first reached; a new object
+    # that does not escape is never resolved.
+    assert log == ["returned", "appended", "in-new"]
+    assert plan.results == (TensorSlot(0),)
+    g: dict[str, Any] = {"xs": []}
+    plan.apply(Roots((), g), ("r", "a", "n"))
+    assert g["xs"] == ["a", ["n"]]
+
+
+def test_a_staged_value_without_a_resolver_is_refused() -> None:
+    se = SideEffects()
+    xs = se.track_existing([], GlobalSource("xs"))
+    se.list_append(xs, Staged(object()))
+    assert refusal(se.build) is SideEffectRefusal.UNSUPPORTED_VALUE

@@ -25,7 +25,9 @@ from torchloom._step_guard import (
     tree_flatten,
 )
 from torchloom._step_refusals import (
+    SYNC_WARNING,
     StepRefusal,
+    collect_syncs,
     optimizer_refusals,
     scaler_refusals,
     sync_refusal,
@@ -388,6 +390,31 @@ def test_sync_refusal_names_the_users_line_and_op() -> None:
     assert f"at {HERE}:{line}" in str(reason)
 
 
+def test_sync_warning_becomes_a_refusal_at_the_users_line() -> None:
+    import warnings
+
+    def step_with_sync(x: torch.Tensor) -> torch.Tensor:
+        warnings.warn(SYNC_WARNING, UserWarning, stacklevel=1)  # what .item() issues
+        return x
+
+    found: list[Any] = []
+    with collect_syncs(found):
+        step_with_sync(torch.ones(1))
+    (reason,) = found
+    line = _line_of(step_with_sync, "warnings.warn(")
+    assert reason.where == f"{HERE}:{line} in step_with_sync"
+    assert reason.op.startswith("warnings.warn(SYNC_WARNING")
+
+
+def test_other_warnings_are_still_shown() -> None:
+    import warnings
+
+    found: list[Any] = []
+    with pytest.warns(UserWarning, match="unrelated"), collect_syncs(found):
+        warnings.warn("unrelated", UserWarning, stacklevel=1)
+    assert found == []
+
+
 def test_sync_from_compile_machinery_is_not_the_steps() -> None:
     frames = [
         traceback.FrameSummary(HERE, 1, "user"),
@@ -406,6 +433,10 @@ def test_or_error_message_names_the_step_and_the_switch() -> None:
         in (str(err))
     )
     assert "TORCHLOOM_CUDAGRAPH_OR_ERROR" in str(err)
+    from loom_sidefx import Refusal, RefusalError
+
+    assert isinstance(err, RefusalError) and err.reason is reason
+    assert isinstance(reason, Refusal)
 
 
 # --- held outputs ------------------------------------------------------------------------------
@@ -425,6 +456,7 @@ def _recording_with_output(static: torch.Tensor) -> _Recording:
         out_watch=[],
         params=[],
         exit_grads=[],
+        exit_ids=[],
         held=[],
     )
     rec.out_watch = [(0, step_storage_use_count(static))]
@@ -738,3 +770,69 @@ def test_host_refusal_raises_under_or_error() -> None:
         step(*args)
     with pytest.raises(torchloom.CaptureStepError, match="capture_failed"):
         step(*_batches(4)[-1])
+
+
+@pytest.mark.parametrize("change", ["moved_data", "frozen", "new_state_tensor", "lr_value"])
+def test_host_fast_path_sees_every_change(change: str) -> None:
+    eager, step, (m1, o1), (m2, o2), _ = _host_pair()
+    for i, args in enumerate(_batches(10)):
+        if i == 6:
+            for m, o in ((m1, o1), (m2, o2)):
+                if change == "moved_data":
+                    m[0].bias.data = m[0].bias.data.clone()
+                elif change == "frozen":
+                    m[0].bias.requires_grad_(False)
+                elif change == "new_state_tensor":
+                    p = m[0].weight
+                    o.state[p]["momentum_buffer"] = o.state[p]["momentum_buffer"].clone()
+                else:
+                    o.param_groups[0]["momentum"] = 0.5
+        torch.testing.assert_close(step(*args), eager(*args), rtol=0, atol=0)
+    _same(m1, m2)
+    s = step.stats()
+    assert s.recordings == 2 and s.replays == 10 - 4, s.format()  # 3 warm-ups, 1 for the change
+
+
+def test_host_held_views_of_losses_stay_correct_and_switch_to_copies() -> None:
+    eager, step, (m1, _), (m2, _), device = _host_pair()
+    kept = []
+    for args in _batches(10):
+        want = eager(*args)
+        kept.append((step(*args).detach(), want))  # a second tensor on the output's memory
+    for k, (got, want) in enumerate(kept):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, k=k: f"call {k}: {m}")
+    _same(m1, m2)
+    s = step.stats()
+    assert s.recordings == 2 and "view of an output" in s.rerecords[0], s.format()
+    assert s.replays == 7 and s.uncaptured_calls == 0 and device.captures == 2
+
+
+_HELPER_MODEL = nn.Linear(2, 2)
+_HELPER_OPT = torch.optim.SGD(_HELPER_MODEL.parameters(), lr=0.1)
+
+
+def _helper_update() -> None:
+    _HELPER_OPT.step()
+
+
+def test_targets_of_helper_functions_the_step_calls() -> None:
+    def train_step(x: torch.Tensor) -> torch.Tensor:
+        loss = _HELPER_MODEL(x).sum()
+        loss.backward()
+        _helper_update()
+        return loss
+
+    targets = find_targets(lambda x: train_step(x))
+    assert [n for n, _ in targets.modules] == ["train_step._HELPER_MODEL"]
+    assert [n for n, _ in targets.optimizers] == ["train_step._helper_update._HELPER_OPT"]
+
+
+def test_pointer_check_fallback_agrees_with_torch() -> None:
+    from torchloom._torch_compat import _step_data_ptrs_equal_py, step_data_ptrs_equal
+
+    a, b = torch.ones(2), torch.zeros(2)
+    objs: list[Any] = [a, 3, b]
+    ptrs: list[int | None] = [a.data_ptr(), None, b.data_ptr()]
+    for check in (step_data_ptrs_equal, _step_data_ptrs_equal_py):
+        assert check(objs, ptrs, [0, 2])
+        assert not check([a, 3, a], ptrs, [0, 2])

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from torchloom._cli import main
@@ -22,3 +26,71 @@ def test_demo_compiles_checks_against_eager_and_prints_a_table(
     out = capsys.readouterr().out
     assert "GPT train step" in out and "MLP inference" in out
     assert "loom compiled" in out
+
+
+def test_help_lists_every_command_and_advertises_nothing_else(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(["--help"])
+    assert err.value.code == 0
+    out = capsys.readouterr().out
+    assert "demo" in out and "cache" in out and "--version" in out
+    assert "torchloom report" not in out  # no command that does not exist
+
+
+def test_version_names_every_loom_distribution(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(["--version"])
+    assert err.value.code == 0
+    out = capsys.readouterr().out
+    assert "torchloom 0.1.0" in out and "torchloom-cache" in out
+
+
+def _python(code: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, **kw
+    )  # type: ignore[call-overload, no-any-return]
+
+
+def test_help_and_version_import_no_torch_and_cache_imports_no_inductor(tmp_path: Path) -> None:
+    # Start-up cost is what gets imported: --help/--version nothing heavy, the
+    # cache command torch (loom_cache needs it) but never Inductor or Dynamo.
+    for argv in (["--help"], ["--version"]):
+        proc = _python(
+            "import sys, contextlib, io\n"
+            "from torchloom._cli import main\n"
+            "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    main({argv!r})\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip().splitlines()[-1] == "[]"
+    proc = _python(
+        "import sys\n"
+        "from torchloom._cli import main\n"
+        f"main(['cache', '--dir', {str(tmp_path)!r}, 'stats'])\n"
+        "print('torch' in sys.modules, 'torch._inductor' in sys.modules,"
+        " 'torch._dynamo' in sys.modules)\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "True False False"
+
+
+def test_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
+    from loom_cache import CacheKey, Entry, KeyComponent, LocalStore
+
+    store = LocalStore(tmp_path)
+    for i in range(3000):
+        store.put(Entry(CacheKey("p", (KeyComponent("graph", f"{i:064x}", "g"),)), b"x"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchloom", "cache", "--dir", str(tmp_path), "list"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away after one line, as `| head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=600) == 141
+    assert "Traceback" not in err and "BrokenPipe" not in err and err == ""

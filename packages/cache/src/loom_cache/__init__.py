@@ -8,13 +8,13 @@ Example::
     if fp.cacheable:
         key = make_key("model.py:forward#0", fp, device="cpu",
                        backend=("loom", "0.1.0"), options={"cudagraphs": False})
-        store = open_default_store()
-        found = store.lookup(key.digest)
+        store = open_default_store()          # CacheConfig.from_env(), resolved once
+        found = store.lookup(key.digest)      # verified before the payload is handed out
 """
 
 from loom_cache._bypass import CacheBypass, CacheBypassKind
 from loom_cache._cli import cache_main
-from loom_cache._config import parse_size, redact_url
+from loom_cache._config import CacheConfig, CacheConfigError, parse_size, redact_url
 from loom_cache._entry import FORMAT_VERSION, MAGIC, Entry, EntryError, decode_entry, encode_entry
 from loom_cache._environment import (
     backend_component,
@@ -48,6 +48,8 @@ __all__ = [
     "USER_CACHE_HASH",
     "CacheBypass",
     "CacheBypassKind",
+    "CacheConfig",
+    "CacheConfigError",
     "CacheKey",
     "ComponentDiff",
     "Entry",

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
+from loom_cache._config import CacheConfig
 from loom_cache._key import CacheKey, explain_miss, nearest_key
 from loom_cache._local import LocalStore
-from loom_cache._store import EntryInfo
+from loom_cache._store import EntryInfo, StoreUnavailable
+from loom_cache._tiered import TieredStore, open_default_store
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,27 +32,108 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "digest", nargs="?", help="a missed key's digest (default: the latest miss)"
     )
-    sub.add_parser("clear", help="remove every entry")
+    clear = sub.add_parser(
+        "clear",
+        help="remove every entry, locally and on the remote tier (this namespace's); asks first",
+    )
+    clear.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    clear.add_argument(
+        "--local-only", action="store_true", help="leave the remote tier's entries alone"
+    )
     return p
 
 
-def cache_main(argv: Sequence[str], store: LocalStore | None = None) -> int:
-    """Run the ``torchloom cache`` command; returns the exit status."""
+def _ask(question: str) -> bool:
+    if not sys.stdin.isatty():
+        print(f"{question} -- not a terminal: pass --yes to confirm")
+        return False
+    try:
+        return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
+
+
+def cache_main(
+    argv: Sequence[str],
+    store: LocalStore | TieredStore | None = None,
+    *,
+    config: CacheConfig | None = None,
+    confirm: Callable[[str], bool] | None = None,
+) -> int:
+    """Run the ``torchloom cache`` command; returns the exit status.
+
+    The store is the one ``config`` describes (default: the environment, as
+    ``CacheConfig.from_env()`` resolves it), with ``--dir`` replacing its directory;
+    ``confirm`` answers ``clear``'s question (default: ask on the terminal)."""
     args = _parser().parse_args(list(argv))
-    store = store if store is not None else LocalStore(args.dir)
+    if store is None:
+        config = config if config is not None else CacheConfig.from_env()
+        if args.dir:
+            config = dataclasses.replace(config, dir=Path(args.dir))
+        store = open_default_store(config)
+    tiered = store if isinstance(store, TieredStore) else TieredStore(store)
+    local = tiered.local
+    if args.command == "clear":
+        return _clear(tiered, args.yes, args.local_only, confirm or _ask)
+    return _inspect(local, tiered, args)
+
+
+def _clear(store: TieredStore, yes: bool, local_only: bool, confirm: Callable[[str], bool]) -> int:
+    local = store.local
+    n_local = local.stats().entries
+    what = f"{n_local} local entries in {local.root}"
+    remote = None if local_only else store.remote
+    if remote is not None:
+        namespace = local.config.namespace or "(no namespace)"
+        target = local.config.remote_url_redacted or remote.name
+        try:
+            count = getattr(remote, "count", None)
+            n_remote = f"{count()} " if count is not None else ""
+        except StoreUnavailable as exc:
+            print(f"the remote tier is unreachable, clearing the local tier only: {exc}")
+            remote = None
+        else:
+            what += f" and {n_remote}remote entries of namespace {namespace} on {target}"
+    if not yes and not confirm(f"remove {what}?"):
+        print("nothing removed")
+        return 1
+    removed = local.clear()
+    print(f"removed {removed} entries from {local.root}")
+    if remote is not None:
+        try:
+            print(f"removed {remote.clear()} entries from the remote tier")
+        except StoreUnavailable as exc:
+            print(f"could not clear the remote tier: {exc}")
+            return 1
+    return 0
+
+
+def _inspect(local: LocalStore, tiered: TieredStore, args: argparse.Namespace) -> int:
+    store = local
     if args.command == "stats":
         s = store.stats()
-        print(f"directory  {store.root}")
+        print(f"directory  {store.root}" + (f"  (off: {store.off})" if store.off else ""))
         print(f"entries    {s.entries}")
         print(f"bytes      {s.bytes} (limit {s.max_bytes})")
         print(f"hits       {s.hits}")
         print(f"misses     {s.misses}")
         print(f"hit rate   {s.hit_rate:.1%}")
         print(f"corrupt    {s.corrupt}")
+        config = store.config
+        print(
+            f"signing    {'keys ' + ', '.join(config.key_ids) if config.keys else 'off (no key)'}"
+        )
+        remote = config.remote_url_redacted
+        if remote is None:
+            print("remote     off")
+        else:
+            state = "on" if tiered.remote is not None else "off (no key; see docs/cache.md)"
+            print(f"remote     {remote} ({state}, trust {config.remote_trust})")
         return 0
     if args.command == "list":
-        for info in sorted(store.entries(), key=lambda i: -i.last_used):
-            print(_line(info))
+        for info in sorted(store.summaries(), key=lambda i: -i.last_used):
+            used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.last_used))
+            print(f"{info.digest[:16]}  {info.size:>10}  {used}  {info.program}")
         return 0
     if args.command == "show":
         found = _find(store, args.digest)
@@ -82,27 +168,19 @@ def cache_main(argv: Sequence[str], store: LocalStore | None = None) -> int:
         for diff in explain_miss(chosen, nearest):
             print(f"  differs: {_clip(str(diff), 300)}")
         return 0
-    if args.command == "clear":
-        print(f"removed {store.clear()} entries")
-        return 0
     raise AssertionError(args.command)
 
 
 def _find(store: LocalStore, prefix: str) -> EntryInfo | None:
-    found = [i for i in store.entries() if i.digest.startswith(prefix)]
-    if len(found) != 1:
+    found = [s.digest for s in store.summaries() if s.digest.startswith(prefix)]
+    info = store.info(found[0]) if len(found) == 1 else None
+    if info is None:
         print(
             f"{len(found)} entries match {prefix!r}; give a longer prefix"
             if found
             else f"no entry matches {prefix!r}"
         )
-        return None
-    return found[0]
-
-
-def _line(info: EntryInfo) -> str:
-    used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.last_used))
-    return f"{info.digest[:16]}  {info.size:>10}  {used}  {info.key.program}"
+    return info
 
 
 def _clip(text: str, limit: int = 100) -> str:

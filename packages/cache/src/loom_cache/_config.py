@@ -1,27 +1,152 @@
-"""The cache's environment variables, validated where they are read.
+"""The cache's environment variables, validated where they are read, once.
 
-A bad value never fails a compile and never passes silently: it is logged as
-a WARNING naming the variable and the value, and the default is used. URLs
-reach messages only through :func:`redact_url`, so a password never appears
-in a log line or an error.
+Every ``TORCHLOOM_CACHE_*`` / ``TORCHLOOM_REMOTE_CACHE*`` variable is read here
+and nowhere else: :func:`CacheConfig.from_env` resolves them into one frozen
+:class:`CacheConfig` that the stores are built from. A bad value never fails a
+compile and never passes silently: it is logged as a WARNING naming the
+variable and the value (never a secret), and the default is used. URLs reach
+messages only through :func:`redact_url`, so a password never appears in a log
+line or an error; keys never appear at all (``repr`` leaves them out).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import logging
 import math
 import os
 import re
-from typing import Final
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Final, Literal
 from urllib.parse import unquote
 
 log = logging.getLogger("torchloom.cache")
 
 DEFAULT_MAX_BYTES: Final = 2 << 30
 DEFAULT_TIMEOUT_S: Final = 0.5
+DEFAULT_RETRY_AFTER_S: Final = 30.0
 _UNITS: Final = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _SIZE: Final = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
 _NETLOC_PASSWORD: Final = re.compile(r"(//[^/@:]*:)([^/@]*)(@)")
+_NAMESPACE: Final = re.compile(r"[A-Za-z0-9_.\-]{0,64}")
+_MIN_KEY_BYTES: Final = 16
+
+Trust = Literal["signed", "unsigned"]
+Mode = Literal["private", "shared"]
+
+#: Every variable :meth:`CacheConfig.from_env` reads (the docs list each one).
+VARIABLES: Final = (
+    "TORCHLOOM_CACHE_DIR",
+    "TORCHLOOM_CACHE_MAX_BYTES",
+    "TORCHLOOM_CACHE_MODE",
+    "TORCHLOOM_CACHE_KEY",
+    "TORCHLOOM_CACHE_KEY_FILE",
+    "TORCHLOOM_CACHE_PREVIOUS_KEY",
+    "TORCHLOOM_CACHE_NAMESPACE",
+    "TORCHLOOM_REMOTE_CACHE",
+    "TORCHLOOM_REMOTE_CACHE_TIMEOUT",
+    "TORCHLOOM_REMOTE_CACHE_RETRY_AFTER",
+    "TORCHLOOM_REMOTE_CACHE_TRUST",
+)
+
+
+class CacheConfigError(ValueError):
+    """A cache setting that cannot be used (raised by :class:`CacheConfig` only for
+    values given in code; environment values warn and fall back instead)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The cache's settings, resolved once (``CacheConfig.from_env()``) and passed
+    to the stores. Secrets stay out of ``repr``: the keys are never shown and the
+    remote URL is shown redacted.
+
+    >>> CacheConfig(Path("/tmp/c")).signing
+    False
+    """
+
+    #: The local tier's directory (``TORCHLOOM_CACHE_DIR``).
+    dir: Path = dataclasses.field(default_factory=lambda: _default_dir({}))
+    #: The local tier's size bound in bytes; 0 stores nothing (``TORCHLOOM_CACHE_MAX_BYTES``).
+    max_bytes: int = DEFAULT_MAX_BYTES
+    #: ``private``: files 0600, directories 0700; ``shared``: group-writable
+    #: (0660 / 2770) for a cache shared by a group (``TORCHLOOM_CACHE_MODE``).
+    mode: Mode = "private"
+    #: HMAC keys, the current one first, then previous ones still accepted when read.
+    keys: tuple[bytes, ...] = dataclasses.field(default=(), repr=False)
+    #: Prefix that separates tenants sharing one Redis (``TORCHLOOM_CACHE_NAMESPACE``).
+    namespace: str = ""
+    #: ``redis://...`` of the fleet tier, or ``None`` (``TORCHLOOM_REMOTE_CACHE``).
+    remote_url: str | None = dataclasses.field(default=None, repr=False)
+    #: Overall deadline of one remote call: connect, send and receive together.
+    remote_timeout_s: float = DEFAULT_TIMEOUT_S
+    #: After a remote failure, the remote tier is skipped for this long (circuit breaker).
+    remote_retry_after_s: float = DEFAULT_RETRY_AFTER_S
+    #: ``signed``: the remote tier serves only entries signed with one of ``keys``;
+    #: ``unsigned``: it also serves unsigned entries (explicit opt-in, warned once).
+    remote_trust: Trust = "signed"
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 0:
+            raise CacheConfigError(f"max_bytes must be >= 0, got {self.max_bytes}")
+        if self.mode not in ("private", "shared"):
+            raise CacheConfigError(f"mode must be 'private' or 'shared', got {self.mode!r}")
+        if self.remote_trust not in ("signed", "unsigned"):
+            raise CacheConfigError(
+                f"remote_trust must be 'signed' or 'unsigned', got {self.remote_trust!r}"
+            )
+        if not _NAMESPACE.fullmatch(self.namespace):
+            raise CacheConfigError(f"namespace {self.namespace!r}: up to 64 of A-Z a-z 0-9 _ . -")
+        for key in self.keys:
+            if len(key) < _MIN_KEY_BYTES:
+                raise CacheConfigError(f"a cache key needs at least {_MIN_KEY_BYTES} bytes")
+        for name in ("remote_timeout_s", "remote_retry_after_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise CacheConfigError(f"{name} must be a positive number, got {value!r}")
+
+    @property
+    def signing(self) -> bool:
+        """Whether entries are signed and every tier refuses unsigned ones."""
+        return bool(self.keys)
+
+    @property
+    def remote_url_redacted(self) -> str | None:
+        return None if self.remote_url is None else redact_url(self.remote_url)
+
+    @property
+    def remote_requires_signature(self) -> bool:
+        """The remote tier serves only entries signed with one of ``keys``."""
+        return self.remote_trust == "signed"
+
+    @property
+    def key_ids(self) -> tuple[str, ...]:
+        return tuple(key_id(k) for k in self.keys)
+
+    def describe(self) -> str:
+        """One line for logs and ``torchloom cache stats`` (no secret in it)."""
+        keys = f"{len(self.keys)} key(s) {', '.join(self.key_ids)}" if self.keys else "no key"
+        remote = self.remote_url_redacted or "off"
+        return (
+            f"dir={self.dir} max_bytes={self.max_bytes} mode={self.mode} signing={keys} "
+            f"namespace={self.namespace or '-'} remote={remote} trust={self.remote_trust} "
+            f"timeout={self.remote_timeout_s}s retry_after={self.remote_retry_after_s}s"
+        )
+
+    @staticmethod
+    def from_env(env: Mapping[str, str] | None = None) -> CacheConfig:
+        """The configuration the environment describes; each distinct setting is
+        resolved (and warned about) once per process."""
+        env = os.environ if env is None else env
+        return _resolve(tuple((name, env.get(name)) for name in VARIABLES) + _dir_base(env))
+
+
+def key_id(key: bytes) -> str:
+    """A short public name of a key (entries say which key signed them)."""
+    return hashlib.sha256(b"torchloom-cache-key-id\x00" + key).hexdigest()[:12]
 
 
 def parse_size(text: str) -> int:
@@ -41,45 +166,163 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) << (10 * _UNITS[(match.group(2) or "").upper()])
 
 
-def max_bytes_from_env() -> int:
-    """``TORCHLOOM_CACHE_MAX_BYTES`` (default 2 GiB). ``0`` means the local tier
-    stores nothing (it still serves what it holds), said once with a warning."""
-    raw = os.environ.get("TORCHLOOM_CACHE_MAX_BYTES", "").strip()
+def _dir_base(env: Mapping[str, str]) -> tuple[tuple[str, str | None], ...]:
+    return (("XDG_CACHE_HOME", env.get("XDG_CACHE_HOME")), ("HOME", env.get("HOME")))
+
+
+def _default_dir(env: Mapping[str, str | None]) -> Path:
+    explicit = env.get("TORCHLOOM_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "torchloom"
+
+
+def _warn(var: str, raw: str, why: str, default: object) -> None:
+    log.warning("loom cache: ignoring %s=%r: %s; using %s", var, raw, why, default)
+
+
+def _max_bytes(raw: str | None) -> int:
+    raw = (raw or "").strip()
     if not raw:
         return DEFAULT_MAX_BYTES
     try:
         value = parse_size(raw)
     except ValueError as exc:
-        log.warning(
-            "loom cache: ignoring TORCHLOOM_CACHE_MAX_BYTES=%r: %s; using the default %d bytes",
-            raw,
-            exc,
-            DEFAULT_MAX_BYTES,
-        )
+        _warn("TORCHLOOM_CACHE_MAX_BYTES", raw, str(exc), f"the default {DEFAULT_MAX_BYTES} bytes")
         return DEFAULT_MAX_BYTES
     if value == 0:
         log.warning("loom cache: TORCHLOOM_CACHE_MAX_BYTES=0: the local tier stores nothing")
     return value
 
 
-def timeout_from_env() -> float:
-    """``TORCHLOOM_REMOTE_CACHE_TIMEOUT``: a positive, finite number of seconds (default 0.5)."""
-    raw = os.environ.get("TORCHLOOM_REMOTE_CACHE_TIMEOUT", "").strip()
+def _seconds(var: str, raw: str | None, default: float) -> float:
+    raw = (raw or "").strip()
     if not raw:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        log.warning(
-            "loom cache: ignoring TORCHLOOM_REMOTE_CACHE_TIMEOUT=%r: not a positive number of "
-            "seconds; using the default %s s",
-            raw,
-            DEFAULT_TIMEOUT_S,
-        )
-        return DEFAULT_TIMEOUT_S
+        _warn(var, raw, "not a positive number of seconds", f"the default {default} s")
+        return default
     return value
+
+
+def _choice(var: str, raw: str | None, choices: tuple[str, ...]) -> str:
+    value = (raw or "").strip().lower()
+    if not value:
+        return choices[0]
+    if value not in choices:
+        _warn(var, value, f"expected one of {', '.join(choices)}", choices[0])
+        return choices[0]
+    return value
+
+
+def _keys(env: Mapping[str, str | None]) -> tuple[bytes, ...]:
+    """Current key first, previous ones after. Keys are text (hex or any string of
+    16+ bytes); a key file holds one key per line, the current one first."""
+    keys: list[bytes] = []
+    current = (env.get("TORCHLOOM_CACHE_KEY") or "").strip()
+    if current:
+        keys.append(current.encode())
+    path = (env.get("TORCHLOOM_CACHE_KEY_FILE") or "").strip()
+    if path:
+        try:
+            with open(path, "rb") as f:
+                lines = [ln.strip() for ln in f.read().splitlines()]
+            keys.extend(ln for ln in lines if ln and not ln.startswith(b"#"))
+            if not any(lines):
+                log.warning("loom cache: TORCHLOOM_CACHE_KEY_FILE=%s holds no key", path)
+        except OSError as exc:
+            log.warning(
+                "loom cache: cannot read TORCHLOOM_CACHE_KEY_FILE=%s (%s): entries are not signed",
+                path,
+                exc.strerror or type(exc).__name__,
+            )
+    previous = (env.get("TORCHLOOM_CACHE_PREVIOUS_KEY") or "").strip()
+    if previous:
+        keys.append(previous.encode())
+    usable: list[bytes] = []
+    for key in keys:
+        if len(key) < _MIN_KEY_BYTES:
+            log.warning(
+                "loom cache: ignoring a cache key of %d bytes (id %s): a key needs at least %d",
+                len(key),
+                key_id(key),
+                _MIN_KEY_BYTES,
+            )
+        elif key not in usable:
+            usable.append(key)
+    return tuple(usable)
+
+
+def _namespace(raw: str | None) -> str:
+    value = (raw or "").strip()
+    if not _NAMESPACE.fullmatch(value):
+        _warn("TORCHLOOM_CACHE_NAMESPACE", value, "up to 64 of A-Z a-z 0-9 _ . -", "no namespace")
+        return ""
+    return value
+
+
+@functools.cache
+def _resolve(items: tuple[tuple[str, str | None], ...]) -> CacheConfig:
+    env = dict(items)
+    url = (env.get("TORCHLOOM_REMOTE_CACHE") or "").strip() or None
+    trust = _choice(
+        "TORCHLOOM_REMOTE_CACHE_TRUST",
+        env.get("TORCHLOOM_REMOTE_CACHE_TRUST"),
+        ("signed", "unsigned"),
+    )
+    keys = _keys(env)
+    config = CacheConfig(
+        dir=_default_dir(env),
+        max_bytes=_max_bytes(env.get("TORCHLOOM_CACHE_MAX_BYTES")),
+        mode=_choice(
+            "TORCHLOOM_CACHE_MODE", env.get("TORCHLOOM_CACHE_MODE"), ("private", "shared")
+        ),  # type: ignore[arg-type]
+        keys=keys,
+        namespace=_namespace(env.get("TORCHLOOM_CACHE_NAMESPACE")),
+        remote_url=url,
+        remote_timeout_s=_seconds(
+            "TORCHLOOM_REMOTE_CACHE_TIMEOUT",
+            env.get("TORCHLOOM_REMOTE_CACHE_TIMEOUT"),
+            DEFAULT_TIMEOUT_S,
+        ),
+        remote_retry_after_s=_seconds(
+            "TORCHLOOM_REMOTE_CACHE_RETRY_AFTER",
+            env.get("TORCHLOOM_REMOTE_CACHE_RETRY_AFTER"),
+            DEFAULT_RETRY_AFTER_S,
+        ),
+        remote_trust=trust,  # type: ignore[arg-type]
+    )
+    if url is not None:
+        if trust == "unsigned":
+            log.warning(
+                "loom cache: TORCHLOOM_REMOTE_CACHE_TRUST=unsigned: the remote tier serves "
+                "unsigned entries; anyone who can write %s can run code in this process",
+                redact_url(url),
+            )
+        elif not keys:
+            log.warning(
+                "loom cache: the remote tier %s is off: no cache key is set and it serves "
+                "only signed entries. Set TORCHLOOM_CACHE_KEY (or TORCHLOOM_CACHE_KEY_FILE) "
+                "to the fleet's key, or TORCHLOOM_REMOTE_CACHE_TRUST=unsigned to trust "
+                "every writer of that server",
+                redact_url(url),
+            )
+    return config
+
+
+def max_bytes_from_env() -> int:
+    """``TORCHLOOM_CACHE_MAX_BYTES`` (default 2 GiB), as :meth:`CacheConfig.from_env` reads it."""
+    return CacheConfig.from_env().max_bytes
+
+
+def timeout_from_env() -> float:
+    """``TORCHLOOM_REMOTE_CACHE_TIMEOUT``, as :meth:`CacheConfig.from_env` reads it."""
+    return CacheConfig.from_env().remote_timeout_s
 
 
 def redact_url(url: str) -> str:

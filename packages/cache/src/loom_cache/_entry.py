@@ -2,23 +2,30 @@
 
 An entry is ``MAGIC``, a 4-byte header length, a JSON header (format
 version, the key with all its components, payload length and sha256, free
-metadata) and the payload bytes. Decoding checks every one of these, so a
-truncated, corrupted or version-mismatched entry is reported as
-:class:`EntryError` with a reason, never returned.
+metadata, namespace, and which key signed it, if any), the payload bytes and,
+for a signed entry, a 32-byte HMAC-SHA256 over everything before it. Decoding
+checks every one of these, so a truncated, corrupted, forged, foreign or
+version-mismatched entry is reported as :class:`EntryError` with a reason,
+never returned. The signature is checked before anything else of the entry is
+used: the payload (a pickle, for the umbrella) of an entry that fails it is
+never handed out.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from loom_cache._config import key_id
 from loom_cache._key import CacheKey
 
 MAGIC: Final = b"LOOMCACHE\x00"
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
+MAC_BYTES: Final = 32
 _HEADER_LEN_BYTES: Final = 4
 
 
@@ -40,7 +47,8 @@ class Entry:
         return self.key.digest
 
 
-def encode_entry(entry: Entry) -> bytes:
+def encode_entry(entry: Entry, *, key: bytes | None = None, namespace: str = "") -> bytes:
+    """The entry's bytes; signed with ``key`` (HMAC-SHA256) when one is given."""
     header = {
         "format": FORMAT_VERSION,
         "digest": entry.key.digest,
@@ -49,9 +57,14 @@ def encode_entry(entry: Entry) -> bytes:
         "payload_sha256": hashlib.sha256(entry.payload).hexdigest(),
         "meta": [list(kv) for kv in entry.meta],
         "created": entry.created,
+        "namespace": namespace,
+        "signed_by": key_id(key) if key is not None else None,
     }
     raw = json.dumps(header, sort_keys=True).encode()
-    return MAGIC + len(raw).to_bytes(_HEADER_LEN_BYTES, "little") + raw + entry.payload
+    body = MAGIC + len(raw).to_bytes(_HEADER_LEN_BYTES, "little") + raw + entry.payload
+    if key is None:
+        return body
+    return body + hmac.new(key, body, hashlib.sha256).digest()
 
 
 def decode_header(data: bytes) -> tuple[dict[str, Any], int]:
@@ -78,13 +91,61 @@ def decode_header(data: bytes) -> tuple[dict[str, Any], int]:
     return header, start + length
 
 
-def decode_entry(data: bytes, expected_digest: str | None = None) -> Entry:
+def verify_signature(
+    data: bytes, header: dict[str, Any], offset: int, keys: tuple[bytes, ...], required: bool
+) -> tuple[bytes, bool]:
+    """The payload of ``data`` once its signature checks out, and whether it was signed.
+
+    ``required``: an unsigned entry is refused. A signed entry is verified with the
+    key it names among ``keys`` (current and previous); an entry signed with a key
+    this reader does not hold is refused when ``required`` (it cannot be checked)."""
+    signed_by = header.get("signed_by")
+    size = header.get("payload_bytes")
+    if not isinstance(size, int) or size < 0:
+        raise EntryError("corrupt header: no payload length")
+    trailer = MAC_BYTES if signed_by is not None else 0
+    if len(data) != offset + size + trailer:
+        raise EntryError(f"truncated payload: {len(data) - offset - trailer} of {size} bytes")
+    if signed_by is None:
+        if required:
+            raise EntryError("unsigned entry refused (entries must be signed with the cache key)")
+        return data[offset:], False
+    key = next((k for k in keys if key_id(k) == signed_by), None)
+    if key is None:
+        if required:
+            raise EntryError(f"signed with key {signed_by!r}, which this reader does not hold")
+        return data[offset : offset + size], False
+    body, mac = data[: offset + size], data[offset + size :]
+    if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), mac):
+        raise EntryError("signature mismatch (a forged or altered entry)")
+    return data[offset : offset + size], True
+
+
+def decode_entry(
+    data: bytes,
+    expected_digest: str | None = None,
+    *,
+    keys: tuple[bytes, ...] = (),
+    require_signature: bool = False,
+    namespace: str | None = None,
+) -> Entry:
+    """The entry in ``data``. With ``require_signature``, only an entry signed by one
+    of ``keys`` decodes; ``namespace``: the entry must have been written in it."""
+    return decode_checked(data, expected_digest, keys, require_signature, namespace)[0]
+
+
+def decode_checked(
+    data: bytes,
+    expected_digest: str | None,
+    keys: tuple[bytes, ...],
+    require_signature: bool,
+    namespace: str | None,
+) -> tuple[Entry, bool]:
+    """:func:`decode_entry`, and whether its signature was verified."""
     header, offset = decode_header(data)
-    payload = data[offset:]
-    if len(payload) != header.get("payload_bytes"):
-        raise EntryError(
-            f"truncated payload: {len(payload)} of {header.get('payload_bytes')} bytes"
-        )
+    payload, verified = verify_signature(data, header, offset, keys, require_signature)
+    if namespace is not None and header.get("namespace", "") != namespace:
+        raise EntryError(f"entry of namespace {header.get('namespace')!r}, not {namespace!r}")
     if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
         raise EntryError("payload checksum mismatch (corrupted entry)")
     try:
@@ -97,4 +158,4 @@ def decode_entry(data: bytes, expected_digest: str | None = None) -> Entry:
         raise EntryError("key digest does not match its components (corrupted entry)")
     if expected_digest is not None and key.digest != expected_digest:
         raise EntryError(f"entry holds key {key.digest[:12]}, not {expected_digest[:12]}")
-    return Entry(key, payload, meta, created)
+    return Entry(key, payload, meta, created), verified

@@ -28,6 +28,8 @@ class Lookup:
     entry: Entry | None
     tier: str
     reason: str
+    #: The entry's HMAC signature was checked with a key this process holds.
+    verified: bool = False
 
     @property
     def hit(self) -> bool:

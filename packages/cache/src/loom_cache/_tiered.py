@@ -1,9 +1,13 @@
 """Local tier first, remote tier second; the remote tier can never fail a compile.
 
 A lookup that misses locally asks the remote tier and copies a remote hit
-into the local tier. When the remote tier is down or slow (every call has a
-bounded timeout) the store logs one warning, stops asking it for
-``retry_after_s`` seconds and goes on with the local tier.
+into the local tier, but only an entry whose signature this process verified
+(or any entry when no key is set at all): an entry the remote tier served on
+``remote_trust="unsigned"`` is never re-signed into the local tier. When the
+remote tier is down or slow (every call has one overall deadline) the store
+logs one warning and a circuit breaker skips the remote tier for
+``retry_after_s`` seconds (``TORCHLOOM_REMOTE_CACHE_RETRY_AFTER``); the first
+call after that probes it again.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 import time
 from collections.abc import Iterator
 
+from loom_cache._config import CacheConfig
 from loom_cache._entry import Entry
 from loom_cache._local import LocalStore
 from loom_cache._store import EntryInfo, Lookup, PutResult, Store, StoreUnavailable
@@ -25,11 +30,17 @@ class TieredStore:
     name = "tiered"
 
     def __init__(
-        self, local: LocalStore, remote: Store | None = None, *, retry_after_s: float = 30.0
+        self,
+        local: LocalStore,
+        remote: Store | None = None,
+        *,
+        retry_after_s: float | None = None,
     ) -> None:
         self.local = local
         self.remote = remote
-        self.retry_after_s = retry_after_s
+        self.retry_after_s = (
+            retry_after_s if retry_after_s is not None else local.config.remote_retry_after_s
+        )
         self._down_until = 0.0
         self._warned = False
         self.remote_errors = 0
@@ -57,7 +68,8 @@ class TieredStore:
             self._remote_failed(exc)
             return Lookup(None, self.local.name, f"{local.reason}; remote unavailable")
         if remote.entry is not None:
-            self.local.put(remote.entry)
+            if remote.verified or not self.local.config.signing:
+                self.local.put(remote.entry)
             return remote
         return Lookup(None, remote.tier, f"{local.reason} locally, {remote.reason} remotely")
 
@@ -99,21 +111,24 @@ class TieredStore:
         return removed
 
 
-def open_default_store() -> TieredStore:
-    """The local store under the user cache directory, plus Redis when
-    ``TORCHLOOM_REMOTE_CACHE`` names one (an unusable URL only warns)."""
+def open_default_store(config: CacheConfig | None = None) -> TieredStore:
+    """The tiered store ``config`` describes (default: :meth:`CacheConfig.from_env`):
+    the local store, plus Redis when a remote URL is set and its entries can be
+    trusted (a key is set, or ``remote_trust="unsigned"``; otherwise the remote
+    tier is off, as the configuration warned). An unusable URL only warns."""
     from loom_cache._config import redact, redact_url
-    from loom_cache._redis import RedisStore, remote_url_from_env
+    from loom_cache._redis import RedisStore
 
+    config = config if config is not None else CacheConfig.from_env()
     remote: Store | None = None
-    url = remote_url_from_env()
-    if url:
+    url = config.remote_url
+    if url and not (config.remote_requires_signature and not config.signing):
         try:
-            remote = RedisStore(url)
-        except (StoreUnavailable, ValueError) as exc:
+            remote = RedisStore(url, config=config)
+        except (StoreUnavailable, ValueError, TypeError) as exc:
             log.warning(
                 "loom cache: ignoring TORCHLOOM_REMOTE_CACHE=%s: %s",
                 redact_url(url),
                 redact(str(exc), url),
             )
-    return TieredStore(LocalStore(), remote)
+    return TieredStore(LocalStore(config=config), remote)

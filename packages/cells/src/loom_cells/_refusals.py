@@ -1,16 +1,17 @@
 """Typed refusals of the cell model.
 
 Reads and writes of closure cells that cannot be guarded or replayed soundly
-are refused with an :class:`Unsupported` value whose ``kind`` comes from
+are refused with an :class:`Unsupported` value (a ``loom_sidefx.Refusal``) whose ``kind`` comes from
 :class:`CellRefusal`, raised wrapped in :class:`CellRefused`. Every kind is
 documented in ``docs/cells.md`` (a test keeps the two in sync).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from typing import NoReturn
+
+from loom_sidefx import Refusal, RefusalError
 
 __all__ = ["CellRefusal", "CellRefused", "Unsupported", "refuse"]
 
@@ -31,26 +32,16 @@ class CellRefusal(enum.Enum):
     NOT_A_CELL = "not_a_cell"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Unsupported:
-    """What was refused, where (user file:line when known), why, and what to do."""
+class Unsupported(Refusal[CellRefusal]):
+    """A refusal of the cell model (the shared :class:`loom_sidefx.Refusal` base)."""
 
-    kind: CellRefusal
-    where: str
-    explanation: str
-    hint: str = ""
-
-    def __str__(self) -> str:
-        text = f"{self.where}: {self.explanation}" if self.where else self.explanation
-        return f"{text} (hint: {self.hint})" if self.hint else text
+    __slots__ = ()
 
 
-class CellRefused(Exception):
+class CellRefused(RefusalError):
     """Raised by :class:`~loom_cells.CellModel` methods; carries the typed reason."""
 
-    def __init__(self, reason: Unsupported) -> None:
-        super().__init__(str(reason))
-        self.reason = reason
+    reason: Unsupported
 
 
 def refuse(where: str, kind: CellRefusal, explanation: str, hint: str = "") -> NoReturn:

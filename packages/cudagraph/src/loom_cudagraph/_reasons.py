@@ -12,6 +12,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from loom_sidefx import Refusal, RefusalError
+
 __all__ = ["CudagraphError", "SkipReason", "Unsupported"]
 
 
@@ -53,17 +55,13 @@ class SkipReason(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Unsupported:
-    """What was refused, where, why, and what to do instead.
+class Unsupported(Refusal[SkipReason]):
+    """What was refused, where, why, and what to do instead (a ``loom_sidefx.Refusal``).
 
     ``where`` is the user's source line (``file:line in fn``) when known, else
     the node's name. ``op`` names the operator (``aten.nonzero.default``).
     """
 
-    kind: SkipReason
-    where: str
-    explanation: str
-    hint: str = ""
     op: str = ""
     #: Whether the refused work runs on a CUDA device (host-only work is no skip).
     cuda_work: bool = True
@@ -97,13 +95,15 @@ class Unsupported:
         )
 
 
-class CudagraphError(RuntimeError):
+class CudagraphError(RefusalError, RuntimeError):
     """Raised under ``cudagraph_or_error`` when CUDA work would run uncaptured."""
 
+    reason: Unsupported
+
     def __init__(self, reason: Unsupported, graph: str = "") -> None:
+        super().__init__(reason)
         where = f" in {graph}" if graph else ""
-        super().__init__(
+        self.args = (
             f"cudagraph_or_error: CUDA work left uncaptured{where}: {reason}. "
-            "Unset cudagraph_or_error (or TORCHLOOM_CUDAGRAPH_OR_ERROR) to run it uncaptured."
+            "Unset cudagraph_or_error (or TORCHLOOM_CUDAGRAPH_OR_ERROR) to run it uncaptured.",
         )
-        self.reason = reason

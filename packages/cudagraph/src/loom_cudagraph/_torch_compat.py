@@ -14,6 +14,7 @@ import torch
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 
 __all__ = [
+    "HAS_NATIVE_DATA_PTRS_CHECK",
     "HigherOrderOperator",
     "OpOverload",
     "OpOverloadPacket",
@@ -46,9 +47,26 @@ TensorList = list[torch.Tensor] | tuple[torch.Tensor, ...]
 #: the per-call path binds it to a recording's buffers once.
 foreach_copy_: Callable[[TensorList, TensorList], None] = torch._foreach_copy_
 
-#: ``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` in ``indices`` (one C++ call, no wrapper).
-data_ptrs_at_indices_equal: Callable[[list[Any], list[int | None], list[int]], bool] = (
-    torch._C._tensors_data_ptrs_at_indices_equal
+
+def _data_ptrs_at_indices_equal_py(
+    tensors: list[Any], ptrs: list[int | None], indices: list[int]
+) -> bool:
+    """The Python spelling of the C++ check (torch 2.13 and later removed it with
+    the old cudagraph trees' input check)."""
+    for i in indices:
+        t = tensors[i]
+        if not isinstance(t, torch.Tensor) or t.data_ptr() != ptrs[i]:
+            return False
+    return True
+
+
+#: Whether this torch has the one-call C++ check (2.11, 2.12; removed in 2.13).
+HAS_NATIVE_DATA_PTRS_CHECK: bool = hasattr(torch._C, "_tensors_data_ptrs_at_indices_equal")
+
+#: ``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` in ``indices`` (one C++ call, no
+#: wrapper, where torch has it; a Python loop with the same answer elsewhere).
+data_ptrs_at_indices_equal: Callable[[list[Any], list[int | None], list[int]], bool] = getattr(
+    torch._C, "_tensors_data_ptrs_at_indices_equal", _data_ptrs_at_indices_equal_py
 )
 
 

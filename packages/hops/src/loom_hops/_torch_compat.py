@@ -30,6 +30,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbolic
 
 __all__ = [
     "CONTROL_FLOW_EXCEPTIONS",
+    "REGISTER_HOOK_HOP",
     "DispatchKey",
     "FakeTensor",
     "FakeTensorMode",
@@ -202,6 +203,19 @@ def native_hook_inlining_disabled(active: RawHooks) -> Iterator[None]:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _has_register_hook_hop() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch._higher_order_ops.register_hook") is not None
+
+
+#: Whether Dynamo records ``y.register_hook(h)`` on an intermediate as its own
+#: ``register_hook`` HOP (torch 2.13 and later), which runs several hooks on one
+#: tensor in registration order by itself; 2.11 and 2.12 emit an identity
+#: ``autograd_function_apply`` chain that ``order_intermediate_hooks`` reorders.
+REGISTER_HOOK_HOP: bool = _has_register_hook_hop()
 
 
 def autograd_function_apply_op() -> Any:

@@ -9,8 +9,9 @@ the reason in ``torchloom.report()``, or into an error in strict mode.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
+
+from loom_sidefx import Refusal, RefusalError
 
 __all__ = ["HopsRefusal", "HopsRefusalKind", "Unsupported"]
 
@@ -40,23 +41,13 @@ class HopsRefusalKind(enum.Enum):
     HOOK_READS_OUTSIDE_TENSORS = "hook_reads_outside_tensors"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Unsupported:
+class Unsupported(Refusal[HopsRefusalKind]):
     """What was refused (``kind``), where, why, and what to do instead."""
 
-    kind: HopsRefusalKind
-    where: str
-    explanation: str
-    hint: str = ""
-
-    def __str__(self) -> str:
-        text = f"{self.where}: {self.explanation}" if self.where else self.explanation
-        return f"[{self.kind.value}] {text}" + (f" (hint: {self.hint})" if self.hint else "")
+    __slots__ = ()
 
 
-class HopsRefusal(RuntimeError):
+class HopsRefusal(RefusalError, RuntimeError):
     """An :class:`Unsupported` raised through code that cannot return it."""
 
-    def __init__(self, reason: Unsupported) -> None:
-        super().__init__(str(reason))
-        self.reason = reason
+    reason: Unsupported

@@ -500,3 +500,47 @@ def test_reading_an_empty_cell_made_by_the_hook_is_refused_as_the_hook_raising()
     assert "'late' referenced before assignment" in result.explanation
     with pytest.raises(NameError):
         hook(torch.ones(2))
+
+
+def test_tensors_inside_a_returned_new_container_are_user_outputs() -> None:
+    log: list[Any] = []
+
+    def hook(t):
+        out = {"scaled": [t * 2]}
+        log.append(t.amax())
+        out["scaled"].append(t + 1)
+        return out
+
+    x = torch.randn(4)
+    tr = traced(hook, x)
+    assert (tr.num_user_outputs, tr.num_effect_outputs) == (2, 1)
+    outputs = tr.graph(*tr.graph_inputs(x))
+    result = tr.replay_outputs(outputs, (x,))
+    assert list(result) == ["scaled"]
+    assert torch.equal(result["scaled"][0], x * 2) and torch.equal(result["scaled"][1], x + 1)
+    assert len(log) == 1 and torch.equal(log[0], x.amax())
+
+
+def test_container_state_is_the_side_effect_logs_view() -> None:
+    """Reads after a mutation see the log's symbolic state; the plan replays it."""
+    state: dict[str, Any] = {"seen": [1], "tags": {"a"}}
+
+    def hook(t):
+        seen = state["seen"]
+        seen.append(len(seen))
+        seen.insert(0, t * 3)
+        state["tags"].add("b")
+        state["n"] = len(seen) + len(state["tags"])
+        cycle: list[Any] = []
+        cycle.append(cycle)
+        state["cycle"] = cycle
+        return seen[0] + seen.pop()
+
+    x = torch.randn(3)
+    tr = traced(hook, x)
+    assert state == {"seen": [1], "tags": {"a"}}  # tracing changes nothing
+    out = tr.replay_outputs(tr.graph(*tr.graph_inputs(x)), (x,))
+    assert torch.equal(out, x * 3 + 1)
+    assert torch.equal(state["seen"][0], x * 3) and state["seen"][1:] == [1]
+    assert state["tags"] == {"a", "b"} and state["n"] == 5
+    assert state["cycle"][0] is state["cycle"]

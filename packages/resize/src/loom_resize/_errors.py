@@ -8,8 +8,9 @@ recorded in the pass report, since the graph stays correct without the pass.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
+
+from loom_sidefx import Refusal, RefusalError
 
 __all__ = ["ResizeKind", "ResizeRefused", "Unsupported"]
 
@@ -51,24 +52,14 @@ _REFUSALS = frozenset(
 )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Unsupported:
+class Unsupported(Refusal[ResizeKind]):
     """What was refused (``kind``), where (graph input or node, with the user's
     file:line when known), why, and what to do instead."""
 
-    kind: ResizeKind
-    where: str
-    explanation: str
-    hint: str = ""
-
-    def __str__(self) -> str:
-        text = f"[{self.kind.value}] {self.where}: {self.explanation}"
-        return f"{text} ({self.hint})" if self.hint else text
+    __slots__ = ()
 
 
-class ResizeRefused(RuntimeError):
+class ResizeRefused(RefusalError, RuntimeError):
     """A storage resize that cannot be functionalized soundly."""
 
-    def __init__(self, reason: Unsupported) -> None:
-        super().__init__(str(reason))
-        self.reason = reason
+    reason: Unsupported

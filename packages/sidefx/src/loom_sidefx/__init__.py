@@ -10,7 +10,7 @@ from ._guards import (
     constant_guard,
 )
 from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
-from ._refusals import SideEffectRefusal, SideEffectRefused, Unsupported
+from ._refusals import Refusal, RefusalError, SideEffectRefusal, SideEffectRefused, Unsupported
 from ._replay import PlanCheckError, ReplayPlan, checks_enabled
 from ._sources import (
     ArgSource,
@@ -32,6 +32,7 @@ from ._values import (
     ObjKind,
     Original,
     Ref,
+    Staged,
     TensorSlot,
     Value,
     concrete,
@@ -67,6 +68,8 @@ __all__ = [
     "PlanCheckError",
     "PreexistingObject",
     "Ref",
+    "Refusal",
+    "RefusalError",
     "ReplayPlan",
     "Roots",
     "SameElements",
@@ -74,6 +77,7 @@ __all__ = [
     "SideEffectRefused",
     "SideEffects",
     "Source",
+    "Staged",
     "TensorSlot",
     "Unsupported",
     "Value",

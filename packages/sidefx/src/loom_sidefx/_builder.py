@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
 from ._guards import Guard, GuardKind, SameElements
@@ -30,6 +30,7 @@ from ._values import (
     ObjKind,
     Original,
     Ref,
+    Staged,
     TensorSlot,
     Value,
     is_constant,
@@ -218,6 +219,11 @@ class SideEffects:
 
     def class_of(self, ref: Ref) -> type:
         return self._entry(ref).cls
+
+    @property
+    def num_ops(self) -> int:
+        """How many mutations of pre-existing state the log holds so far."""
+        return len(self._ops)
 
     def is_mutated(self, ref: Ref) -> bool:
         """Whether this trace recorded a mutation of ``ref`` (always True for new objects)."""
@@ -552,11 +558,29 @@ class SideEffects:
             entry.touched = None if touched is None else set(touched)
 
     # -------------------------------------------------------------------- build
-    def build(self, results: tuple[Value, ...] = ()) -> ReplayPlan:
+    def build(
+        self,
+        results: tuple[Value, ...] = (),
+        *,
+        resolve: Callable[[Any], Value] | None = None,
+    ) -> ReplayPlan:
         """The replay plan: ops on pre-existing state in program order, plus the
         new objects that escape into it (or into ``results``, values the caller
-        wants materialized, e.g. the hook's return value)."""
-        results = tuple(self._value(v) for v in results)
+        wants materialized, e.g. the hook's return value).
+
+        ``resolve`` records a :class:`Staged` value's payload; it is called for
+        the staged values that reach the plan, results first, then the ops'
+        arguments in program order (the contents of a new object when it is
+        first reached), so a caller that allocates tensor slots in ``resolve``
+        numbers the results' tensors first.
+        """
+        deep = self._resolver(resolve)
+        results = tuple(deep(self._value(v)) for v in results)
+        for i, op in enumerate(self._ops):
+            self.where = op.where
+            args = tuple(deep(a) for a in op.args)
+            if any(a is not b for a, b in zip(args, op.args, strict=True)):
+                self._ops[i] = dataclasses.replace(op, args=args)
         live: dict[int, None] = {}
         needed: dict[int, None] = {}
         stack: list[Value] = [v for op in self._ops for v in op.args]
@@ -606,6 +630,51 @@ class SideEffects:
         if checks_enabled():
             plan.check()
         return plan
+
+    def resolve(
+        self, values: tuple[Value, ...], resolve: Callable[[Any], Value]
+    ) -> tuple[Value, ...]:
+        """``values`` with every :class:`Staged` value recorded by ``resolve``, also in
+        the contents of the new objects they reach (in order, depth first).
+
+        ``build`` does this for its results and then the ops' arguments; a caller
+        that must know what its results allocated (tensor slots) calls it first.
+        """
+        return tuple(self._resolver(resolve)(v) for v in values)
+
+    def _resolver(self, resolve: Callable[[Any], Value] | None) -> Callable[[Value], Value]:
+        reached: set[int] = set()
+
+        def deep(v: Value) -> Value:
+            if isinstance(v, Staged):
+                if resolve is None:
+                    self._refuse(
+                        SideEffectRefusal.UNSUPPORTED_VALUE,
+                        f"a staged {type(v.payload).__qualname__} reaches the plan unresolved",
+                        "pass build(resolve=...)",
+                    )
+                return deep(self._value(resolve(v.payload)))
+            if isinstance(v, Ref):
+                if v.is_new and v.index not in reached:
+                    reached.add(v.index)
+                    entry = self._entries[v.index]
+                    entry.items[:] = [deep(x) for x in entry.items]
+                    for mapping in (entry.mapping, entry.attrs):
+                        for k, x in mapping.items():
+                            mapping[k] = deep(x)
+                    entry.cell = deep(entry.cell)
+                return v
+            # NOTE: a value with nothing staged is kept as the same object: replay
+            # shares constants by identity, as the hook did.
+            if type(v) is tuple:
+                items = tuple(deep(x) for x in v)
+                return v if all(a is b for a, b in zip(items, v, strict=True)) else items
+            if isinstance(v, Computed):
+                lhs, rhs = deep(v.lhs), deep(v.rhs)
+                return v if lhs is v.lhs and rhs is v.rhs else Computed(v.op, lhs, rhs)
+            return v
+
+        return deep
 
     # ------------------------------------------------------------------ helpers
     def _refuse(self, kind: SideEffectRefusal, explanation: str, hint: str = "") -> NoReturn:
@@ -745,7 +814,7 @@ class SideEffects:
         if isinstance(value, Ref):
             self._entry(value)
             return value
-        if isinstance(value, TensorSlot | Original) or is_constant(value):
+        if isinstance(value, TensorSlot | Original | Staged) or is_constant(value):
             return value
         if type(value) is tuple:
             return tuple(self._value(v) for v in value)

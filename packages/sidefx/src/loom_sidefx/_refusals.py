@@ -1,18 +1,62 @@
-"""Typed refusals of the side-effect log.
+"""Typed refusals: the one refusal base of every loom package, and the side-effect log's kinds.
 
-A mutation that cannot be replayed soundly after the graph runs is refused with
-an :class:`Unsupported` value whose ``kind`` comes from
-:class:`SideEffectRefusal`; builder methods raise it wrapped in
-:class:`SideEffectRefused` so a tracer can stop at the first refusal. Every kind
-is documented in ``docs/sidefx.md`` (a test keeps the two in sync).
+A refusal says what was refused (``kind``, a member of the refusing package's
+own enum), where (the user's ``file:line`` when known), why, and what to do
+instead. :class:`Refusal` is that value, generic in the kind enum; each package
+subclasses it as its ``Unsupported`` (``class Unsupported(Refusal[CellRefusal])``)
+and raises it wrapped in a subclass of :class:`RefusalError`. ``loom_sidefx``
+is the root of the dependency table (stdlib only), so every package can share
+the base. The log's own refusals use :class:`SideEffectRefusal`, every kind
+documented in ``docs/sidefx.md`` (a test keeps the two in sync).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any, Generic, TypeVar
 
-__all__ = ["SideEffectRefusal", "SideEffectRefused", "Unsupported"]
+__all__ = [
+    "Refusal",
+    "RefusalError",
+    "SideEffectRefusal",
+    "SideEffectRefused",
+    "Unsupported",
+]
+
+KindT = TypeVar("KindT", bound=enum.Enum)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refusal(Generic[KindT]):
+    """What was refused (``kind``), where (user file:line when known), why, and what to do.
+
+    Example::
+
+        class Unsupported(Refusal[CellRefusal]):
+            __slots__ = ()
+
+        str(Unsupported(CellRefusal.EMPTY_CELL, "hook.py:3", "x is empty", "assign x first"))
+        # '[empty_cell] hook.py:3: x is empty (hint: assign x first)'
+    """
+
+    kind: KindT
+    where: str
+    explanation: str
+    hint: str = ""
+
+    def __str__(self) -> str:
+        text = f"{self.where}: {self.explanation}" if self.where else self.explanation
+        return f"[{self.kind.value}] {text}" + (f" (hint: {self.hint})" if self.hint else "")
+
+
+class RefusalError(Exception):
+    """An exception that carries a typed :class:`Refusal` (``.reason``) through code
+    that cannot return it; each package raises its own subclass."""
+
+    def __init__(self, reason: Refusal[Any]) -> None:
+        super().__init__(str(reason))
+        self.reason = reason
 
 
 class SideEffectRefusal(enum.Enum):
@@ -44,23 +88,13 @@ class SideEffectRefusal(enum.Enum):
     FOREIGN_REF = "foreign_ref"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Unsupported:
-    """What was refused, where (user file:line when known), why, and what to do."""
+class Unsupported(Refusal[SideEffectRefusal]):
+    """A refusal of the side-effect log."""
 
-    kind: SideEffectRefusal
-    where: str
-    explanation: str
-    hint: str = ""
-
-    def __str__(self) -> str:
-        text = f"{self.where}: {self.explanation}" if self.where else self.explanation
-        return f"{text} (hint: {self.hint})" if self.hint else text
+    __slots__ = ()
 
 
-class SideEffectRefused(Exception):
+class SideEffectRefused(RefusalError):
     """Raised by :class:`~loom_sidefx.SideEffects` methods; carries the typed reason."""
 
-    def __init__(self, reason: Unsupported) -> None:
-        super().__init__(str(reason))
-        self.reason = reason
+    reason: Unsupported

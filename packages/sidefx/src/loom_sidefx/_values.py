@@ -28,6 +28,7 @@ __all__ = [
     "ObjKind",
     "Original",
     "Ref",
+    "Staged",
     "TensorSlot",
     "Value",
     "concrete",
@@ -145,6 +146,19 @@ class Original:
 
     def describe(self) -> str:
         return self.source.describe() if self.source is not None else "<original without source>"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Staged:
+    """A tracer's own symbolic value held in the log's symbolic state.
+
+    A tracer stores what it has (a tensor node, say) and reads it back as it
+    stored it; ``SideEffects.build(resolve=...)`` turns the staged values that
+    reach the replay plan (op arguments, results, contents of new objects that
+    escape) into recorded values, in program order. Compared by identity.
+    """
+
+    payload: Any
 
 
 def concrete(value: Value) -> Any:

@@ -11,24 +11,75 @@ one CUDA graph.
 >>> torchloom.reset(); y = f(torch.randn(4)); print(torchloom.report())  # doctest: +SKIP
 """
 
-from loom_hops import grad_hook
-from torchloom._api import reset
-from torchloom._backend import loom_backend
-from torchloom._capture_step import CapturedStep, StepStats, capture_step
-from torchloom._cudagraph import cudagraph_stats
-from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
-from torchloom._options import MODES, LoomOptions, LoomOptionsError, resolve_options
-from torchloom._pipeline import Pipeline
-from torchloom._report import (
-    GraphRecord,
-    InputMeta,
-    Report,
-    ReportEntry,
-    StageRecord,
-    report,
-)
-from torchloom._step_refusals import CaptureStepError, StepRefusal, StepUnsupported
-from torchloom._values import GraphKind
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# NOTE: names load on first use (PEP 562), so `import torchloom` and the
+# `torchloom` command start without torch, Dynamo or Inductor; the backend is
+# registered through the `torch_dynamo_backends` entry point, not by import.
+# The first name loaded imports torchloom._release first, which warns once on a
+# torch outside the tested range (so does torchloom._backend, the entry point).
+if TYPE_CHECKING:
+    from loom_hops import grad_hook
+    from torchloom._api import reset
+    from torchloom._backend import loom_backend
+    from torchloom._capture_step import CapturedStep, StepStats, capture_step
+    from torchloom._cudagraph import cudagraph_stats
+    from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
+    from torchloom._options import MODES, LoomOptions, LoomOptionsError, resolve_options
+    from torchloom._pipeline import Pipeline
+    from torchloom._report import (
+        GraphRecord,
+        InputMeta,
+        Report,
+        ReportEntry,
+        StageRecord,
+        report,
+    )
+    from torchloom._step_refusals import CaptureStepError, StepRefusal, StepUnsupported
+    from torchloom._values import GraphKind
+
+_LAZY = {
+    "grad_hook": "loom_hops",
+    "reset": "torchloom._api",
+    "loom_backend": "torchloom._backend",
+    **dict.fromkeys(("CapturedStep", "StepStats", "capture_step"), "torchloom._capture_step"),
+    "cudagraph_stats": "torchloom._cudagraph",
+    **dict.fromkeys(("LoomRefusal", "RefusalKind", "Unsupported"), "torchloom._errors"),
+    **dict.fromkeys(
+        ("MODES", "LoomOptions", "LoomOptionsError", "resolve_options"), "torchloom._options"
+    ),
+    "Pipeline": "torchloom._pipeline",
+    **dict.fromkeys(
+        ("GraphRecord", "InputMeta", "Report", "ReportEntry", "StageRecord", "report"),
+        "torchloom._report",
+    ),
+    **dict.fromkeys(
+        ("CaptureStepError", "StepRefusal", "StepUnsupported"), "torchloom._step_refusals"
+    ),
+    "GraphKind": "torchloom._values",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        importlib.import_module("torchloom._release")
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if name.startswith("_") and not name.startswith("__"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError:
+            pass
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __version__ = "0.1.0"
 

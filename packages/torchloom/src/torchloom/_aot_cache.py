@@ -110,26 +110,14 @@ def _routed_to(
     cache = compat.autograd_cache()
     original_make_entry = cache.make_entry
 
-    def try_load(
-        mod: Any,
-        args: list[Any],
-        aot_config: Any,
-        cudagraphs: Any,
-        boxed_forward_device_index: Any,
-        local: bool,
-        remote: bool,
-    ) -> Any:
-        symints = compat.backed_symints(args)
+    def load(args: list[Any], aot_config: Any, fx_config: dict[str, Any]) -> Any:
         if slot.load is not None:
             try:
                 entry = pickle.loads(slot.load)
                 guards = entry.guards_expr
+                symints = compat.backed_symints(args)
                 if guards and not compat.entry_guards_hold(guards, symints):
                     raise LookupError(f"shape guards of the stored entry fail: {guards}")
-                fx_config = {
-                    "cudagraphs": cudagraphs,
-                    "boxed_forward_device_index": boxed_forward_device_index,
-                }
                 compiled = entry.wrap_post_compile(args, aot_config, fx_config)
                 compat.publish_entry_fw_metadata(entry)
                 slot.loaded = True
@@ -140,7 +128,6 @@ def _routed_to(
                 slot.load_error = f"{type(err).__name__}: {err}"
             if slot.serve_only:
                 raise CacheNotServed(slot.load_error)
-        aot_config.cache_info = compat.aot_cache_info(slot.key, symints)
         return None
 
     def make_entry(*args: Any, **kwargs: Any) -> Any:
@@ -170,7 +157,7 @@ def _routed_to(
     saved_attrs = {name: cache.__dict__[name] for name in ("try_load", "make_entry", "save")}
     try:
         if serve:
-            cache.try_load = staticmethod(try_load)
+            cache.try_load = staticmethod(compat.aot_try_load_slot(slot.key, load))
         cache.make_entry = staticmethod(make_entry)
         cache.save = staticmethod(save)
         with compat.autograd_cache_forced():

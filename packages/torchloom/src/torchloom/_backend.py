@@ -12,6 +12,7 @@ from typing import Any
 
 from torch.fx import GraphModule
 
+import torchloom._release  # noqa: F401  (the entry point: warns once on an untested torch)
 from torchloom._pipeline import DEFAULT_PIPELINE
 
 __all__ = ["loom_backend"]

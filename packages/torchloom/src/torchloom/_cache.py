@@ -76,16 +76,18 @@ _LOOM_MODULES: Final = (
 _FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
 
 _store_lock = threading.Lock()
-_stores: dict[tuple[str, str], loom_cache.TieredStore] = {}
+_stores: dict[loom_cache.CacheConfig, loom_cache.TieredStore] = {}
 
 
-def cache_store() -> loom_cache.TieredStore:
-    """The process's store for the current ``TORCHLOOM_CACHE_DIR`` / ``TORCHLOOM_REMOTE_CACHE``."""
-    ident = (str(loom_cache.default_cache_dir()), os.environ.get("TORCHLOOM_REMOTE_CACHE", ""))
+def cache_store(config: loom_cache.CacheConfig | None = None) -> loom_cache.TieredStore:
+    """The process's store for ``config``: by default the cache settings
+    (``TORCHLOOM_CACHE_*``, ``TORCHLOOM_REMOTE_CACHE*``) as ``loom_cache`` resolves
+    them, once per distinct setting; one store (and one circuit breaker) per setting."""
+    config = config if config is not None else loom_cache.CacheConfig.from_env()
     with _store_lock:
-        if ident not in _stores:
-            _stores[ident] = loom_cache.open_default_store()
-        return _stores[ident]
+        if config not in _stores:
+            _stores[config] = loom_cache.open_default_store(config)
+        return _stores[config]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -314,9 +316,10 @@ def record_miss(record: GraphRecordBuilder, lookup: CacheLookup, reason: str) ->
     try:
         store.local.record(hit=False)
         store.local.record_miss(key)
-        nearest = loom_cache.nearest_key(
-            key, (i.key for i in store.local.entries() if i.key.program == key.program)
-        )
+        # The index names each entry's program: only that program's headers are read.
+        same = (s.digest for s in store.local.summaries() if s.program == key.program)
+        infos = (store.local.info(d) for d in same)
+        nearest = loom_cache.nearest_key(key, (i.key for i in infos if i is not None))
         if nearest is not None:
             diffs = loom_cache.explain_miss(key, nearest)
             explanation = "; ".join(str(d) for d in diffs)

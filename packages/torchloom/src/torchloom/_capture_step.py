@@ -24,11 +24,10 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import traceback
-import warnings
+import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Generic, ParamSpec, Protocol, TextIO, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -38,11 +37,13 @@ from torchloom._options import LoomOptions, LoomOptionsError, resolve_options
 from torchloom._report import GraphRecordBuilder, new_record
 from torchloom._step_guard import (
     ANY_TENSOR,
+    FastKey,
     GuardMismatch,
     StepGuard,
     StepProbe,
     StepTargets,
     find_targets,
+    mode_state,
     tree_flatten,
     tree_unflatten,
 )
@@ -52,14 +53,16 @@ from torchloom._step_refusals import (
     StepUnsupported,
     autocast_refusal,
     call_site,
+    collect_syncs,
     optimizer_refusals,
     scaler_refusals,
-    sync_refusal,
 )
 
 __all__ = ["CapturedStep", "CudaStepDevice", "StepDevice", "StepStats", "capture_step"]
 
 log = logging.getLogger("torchloom.capture_step")
+
+_GRAD = operator.attrgetter("grad")
 
 #: What ``_replay`` returns when it must not replay (a view of a held output would change).
 _HELD: Any = object()
@@ -121,8 +124,19 @@ class _Recording:
     #: what each parameter's ``.grad`` is after the step
     params: list[torch.Tensor]
     exit_grads: list[torch.Tensor | None]
+    exit_ids: list[int]
     #: every object the guard names by id, kept alive so that ids stay unique
     held: list[Any]
+    #: the per-call check (see ``StepProbe.fast_key``) and the gradients it expects
+    fast: FastKey | None = None
+    fast_grads: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    #: per positional argument, what the fast path compares (``None``: arguments
+    #: that are not flat go through the full guard)
+    arg_specs: list[Any] | None = None
+    #: the step returned one tensor (its output needs no unflattening)
+    single_output: bool = False
+    #: outputs are returned as copies (a view of an earlier alias was held)
+    clone_outputs: bool = False
     #: the output tensors handed out by the last replay (weakly: the caller holds them)
     handed: list[weakref.ref[torch.Tensor] | None] = dataclasses.field(default_factory=list)
 
@@ -170,8 +184,15 @@ class CudaStepDevice:
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
-            out = fn()
+        stream = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+                out = fn()
+        except BaseException:
+            # NOTE: torch.cuda.graph's __exit__ leaves its capture stream current
+            # when capture_end raises.
+            torch.cuda.set_stream(stream)
+            raise
         return graph, out
 
     def replayer(self, graph: Any) -> Callable[[], object]:
@@ -207,6 +228,8 @@ class CapturedStep(Generic[P, R]):
         self._rerecords: list[str] = []
         self._budget_skips = 0
         self._made = 0
+        #: return copies of outputs (set once a view of an output was held)
+        self._clone_outputs = False
         #: whether the last warm-up call changed Python state the guard reads
         self._changed_last = False
         #: eager calls made for new guard sets after the first warm-up
@@ -219,14 +242,22 @@ class CapturedStep(Generic[P, R]):
         if self._refusal is not None:
             self._uncaptured += 1
             return self.fn(*args, **kwargs)
-        leaves, tree = tree_flatten((args, kwargs))
         rec = self._last
-        if rec is not None and rec.guard.mismatch(rec.probe.read(leaves, tree)) is None:
-            out = self._replay(rec, leaves)
-            return self._eager(args, kwargs) if out is _HELD else out  # type: ignore[no-any-return]
+        if (
+            rec is not None
+            and rec.fast is not None
+            and not kwargs
+            and _args_match(rec.arg_specs, args)
+            and mode_state() == rec.guard.modes
+            and rec.probe.fast_matches(rec.fast)
+        ):
+            out = self._replay(rec, args)
+            if out is not _HELD:
+                return out  # type: ignore[no-any-return]
+        leaves, tree = tree_flatten((args, kwargs))
         return self._slow(args, kwargs, leaves, tree)
 
-    def _replay(self, rec: _Recording, leaves: list[Any]) -> Any:
+    def _replay(self, rec: _Recording, leaves: Sequence[Any]) -> Any:
         """Replay ``rec`` for these arguments; ``_HELD`` when an output of the last
         replay is held through a view that the replay would overwrite."""
         if not self._protect_outputs(rec):
@@ -238,22 +269,29 @@ class CapturedStep(Generic[P, R]):
             else:
                 compat.step_foreach_copy_(rec.fill, srcs)
         rec.replay()
-        for p, g in zip(rec.params, rec.exit_grads, strict=True):
-            if p.grad is not g:
-                p.grad = g
+        if list(map(id, map(_GRAD, rec.params))) != rec.exit_ids:
+            for p, g in zip(rec.params, rec.exit_grads, strict=True):
+                if p.grad is not g:
+                    p.grad = g
         self._replays += 1
         outs = list(rec.outs)
-        handed: list[weakref.ref[torch.Tensor] | None] = [None] * len(outs)
-        for pos, _ in rec.out_watch:
-            outs[pos] = alias = outs[pos].detach()
-            handed[pos] = weakref.ref(alias)
-        rec.handed = handed
-        return tree_unflatten(outs, rec.out_tree)
+        if rec.clone_outputs:
+            for pos, _ in rec.out_watch:
+                outs[pos] = outs[pos].clone()
+        else:
+            handed: list[weakref.ref[torch.Tensor] | None] = [None] * len(outs)
+            for pos, _ in rec.out_watch:
+                outs[pos] = alias = outs[pos].detach()
+                handed[pos] = weakref.ref(alias)
+            rec.handed = handed
+        return outs[0] if rec.single_output else tree_unflatten(outs, rec.out_tree)
 
     def _protect_outputs(self, rec: _Recording) -> bool:
         """Move each output of the last replay that the caller still holds to fresh
         memory (the replay is about to overwrite the recording's); ``False`` when a
-        view of one is held too (it cannot be moved: the call runs eagerly)."""
+        view of one is held too (it cannot be moved)."""
+        if rec.clone_outputs:
+            return True
         for pos, baseline in rec.out_watch:
             extra = compat.step_storage_use_count(rec.outs[pos]) - baseline
             if extra == 0:
@@ -261,10 +299,6 @@ class CapturedStep(Generic[P, R]):
             ref = rec.handed[pos] if pos < len(rec.handed) else None
             alias = ref() if ref is not None else None
             if alias is None or extra != 1:
-                log.debug(
-                    "capture_step %s: a view of an output is held; this call runs eagerly",
-                    self._name,
-                )
                 return False
             with torch.no_grad():
                 copy = alias.clone()
@@ -282,25 +316,25 @@ class CapturedStep(Generic[P, R]):
             reason = self._static_refusal(leaves)
             if reason is not None:
                 self._refuse(reason)
-                self._uncaptured += 1
-                return self.fn(*args, **kwargs)
+                return self._eager(args, kwargs)
         probe = StepProbe(self._targets)
         for rec in self._recordings:
             if rec.guard.mismatch(rec.probe.read(leaves, tree)) is None:
+                rec.fast = rec.probe.fast_key(rec.probe.fast_objects(), rec.fast_grads)
                 self._last = rec
                 out = self._replay(rec, leaves)
-                return self._eager(args, kwargs) if out is _HELD else out  # type: ignore[no-any-return]
+                if out is not _HELD:
+                    return out  # type: ignore[no-any-return]
+                return self._record_again_cloning(rec, args, kwargs, leaves, tree)
         current = probe.read(leaves, tree, named=True)
         ambient = autocast_refusal(self.fn)
         if ambient is not None:
             self._refuse(ambient)
-            self._uncaptured += 1
-            return self.fn(*args, **kwargs)
+            return self._eager(args, kwargs)
         host = self._host_argument(leaves)
         if host is not None:
             self._refuse(host)
-            self._uncaptured += 1
-            return self.fn(*args, **kwargs)
+            return self._eager(args, kwargs)
         if self._recordings:
             last = self._recordings[-1]
             self._last_mismatch = last.guard.mismatch(last.probe.read(leaves, tree))
@@ -321,15 +355,30 @@ class CapturedStep(Generic[P, R]):
         if self._pending is None or self._pending.mismatch(current, ignore_grads=True) is not None:
             if self._extra_warm >= budget or len(self._recordings) >= budget:
                 self._budget_spent(current)
-                self._uncaptured += 1
-                return self.fn(*args, **kwargs)
+                return self._eager(args, kwargs)
             self._extra_warm += 1 if self._warm >= self.options.capture_step_warmup else 0
             return self._warm_up(args, kwargs, probe, current, leaves, tree)
         if len(self._recordings) >= budget:
             self._budget_spent(current)
-            self._uncaptured += 1
-            return self.fn(*args, **kwargs)
+            return self._eager(args, kwargs)
         return self._capture(args, kwargs, probe, current, leaves, tree)
+
+    def _record_again_cloning(
+        self, rec: _Recording, args: Any, kwargs: Any, leaves: list[Any], tree: Any
+    ) -> R:
+        """A view of an output of ``rec`` is held, so ``rec`` may never replay again
+        (its static outputs are pinned); record its guard set anew, returning
+        copies of the outputs from now on."""
+        log.debug("capture_step %s: a view of an output is held; recording again", self._name)
+        self._clone_outputs = True
+        self._recordings.remove(rec)
+        self._last = None
+        assert self._targets is not None
+        probe = StepProbe(self._targets)
+        current = probe.read(leaves, tree, named=True)
+        self._last_mismatch = None
+        self._rerecords.append("a view of an output was held across calls (outputs are copied now)")
+        return self._capture(args, kwargs, probe, current, leaves, tree, again=True)
 
     def _eager(self, args: Any, kwargs: Any) -> R:
         self._uncaptured += 1
@@ -409,6 +458,7 @@ class CapturedStep(Generic[P, R]):
         current: StepGuard,
         leaves: list[Any],
         tree: Any,
+        again: bool = False,
     ) -> R:
         """Capture the step under ``current``'s guard set, then replay it once for
         this call (a capture runs nothing)."""
@@ -440,6 +490,7 @@ class CapturedStep(Generic[P, R]):
                 p.grad = g
             raise
         exit_grads = [p.grad for p in params]
+        out_single = isinstance(out, torch.Tensor)
         out_leaves, out_tree = tree_flatten(out)
         del out
         expect = tuple(
@@ -461,14 +512,15 @@ class CapturedStep(Generic[P, R]):
             out_watch=[],
             params=params,
             exit_grads=exit_grads,
-            held=[*probe.held(), *entry],
+            exit_ids=list(map(id, exit_grads)),
+            held=probe.held(),
         )
         rec.out_watch = [
             (k, compat.step_storage_use_count(o))
             for k, o in enumerate(outs)
             if isinstance(o, torch.Tensor)
         ]
-        if self._recordings:
+        if self._recordings and not again:
             self._rerecords.append(str(self._last_mismatch or "a new guard set"))
         self._recordings.append(rec)
         self._made += 1
@@ -478,7 +530,12 @@ class CapturedStep(Generic[P, R]):
             "recorded", f"recording {len(self._recordings)}: {self._guard_summary(current)}"
         )
         log.debug("capture_step %s: recorded (%d)", self._name, len(self._recordings))
+        rec.clone_outputs = self._clone_outputs
+        rec.arg_specs = _arg_specs(args, kwargs, leaves)
+        rec.single_output = len(outs) == 1 and out_single
         result = self._replay(rec, leaves)
+        rec.fast_grads = [None if e is None else x for e, x in zip(entry, exit_grads, strict=True)]
+        rec.fast = probe.fast_key(probe.fast_objects(), rec.fast_grads)
         host = [type(o).__name__ for o in outs if o is not None and not isinstance(o, torch.Tensor)]
         after = probe.read(leaves, tree)
         changed = current.mismatch(after, ignore_grads=True)
@@ -543,9 +600,13 @@ class CapturedStep(Generic[P, R]):
 
     def _guard_summary(self, guard: StepGuard) -> str:
         tensors = [str(a) for a in guard.args if not isinstance(a, tuple)]
+        t = self._targets
+        found = [n for n, _ in (*t.modules, *t.optimizers, *t.scalers, *t.tensors)] if t else []
+        # NOTE: what the step uses but the search missed is not guarded; say what was found.
+        guarding = ", ".join(found) or "no module or optimizer found (pass track=[...])"
         return (
-            f"arguments [{', '.join(tensors)}], {len(guard.objects)} objects, "
-            f"{len(guard.pointers)} tensors, {len(guard.hyper)} hyperparameters guarded"
+            f"arguments [{', '.join(tensors)}]; guarding {guarding}: {len(guard.objects)} "
+            f"objects, {len(guard.pointers)} tensors, {len(guard.hyper)} hyperparameters"
         )
 
     def stats(self) -> StepStats:
@@ -562,6 +623,36 @@ class CapturedStep(Generic[P, R]):
         )
 
 
+def _arg_specs(args: Sequence[Any], kwargs: Any, leaves: Sequence[Any]) -> list[Any] | None:
+    """What the fast path compares per positional argument, when the arguments
+    are flat (no keywords, no containers); ``None`` otherwise."""
+    if (
+        kwargs
+        or len(leaves) != len(args)
+        or any(a is not v for a, v in zip(args, leaves, strict=True))
+    ):
+        return None
+    return [_arg_spec(a) for a in args]
+
+
+def _arg_spec(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return (a.shape, a.dtype, a.device, a.requires_grad)
+    return (type(a), a)
+
+
+def _args_match(specs: list[Any] | None, args: Sequence[Any]) -> bool:
+    if specs is None or len(specs) != len(args):
+        return False
+    for spec, a in zip(specs, args, strict=True):
+        if isinstance(a, torch.Tensor):
+            if spec != (a.shape, a.dtype, a.device, a.requires_grad):
+                return False
+        elif type(a) is not spec[0] or a != spec[1]:
+            return False
+    return True
+
+
 def _python_state(fn: Callable[..., Any], changed: GuardMismatch) -> StepUnsupported:
     return StepUnsupported(
         StepRefusal.PYTHON_STATE,
@@ -574,29 +665,10 @@ def _python_state(fn: Callable[..., Any], changed: GuardMismatch) -> StepUnsuppo
 
 @contextlib.contextmanager
 def _watch_syncs(found: list[StepUnsupported]) -> Iterator[None]:
-    """Turn each host synchronization the block makes into a refusal (with the
+    """Each host synchronization the block makes becomes a refusal (with the
     user's source line), through CUDA's sync debug mode set to warn."""
     previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        show = warnings.showwarning
-
-        def hook(
-            message: Warning | str,
-            category: type[Warning],
-            filename: str,
-            lineno: int,
-            file: TextIO | None = None,
-            line: str | None = None,
-        ) -> None:
-            if "synchronizing" in str(message):
-                reason = sync_refusal(traceback.extract_stack()[:-1])
-                if reason is not None:
-                    found.append(reason)
-                return
-            show(message, category, filename, lineno, file, line)
-
-        warnings.showwarning = hook
+    with collect_syncs(found):
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield

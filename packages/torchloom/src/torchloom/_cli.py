@@ -1,15 +1,32 @@
 """The ``torchloom`` command line.
 
-torchloom demo [--device cpu|cuda] [--iters N] [--no-inductor]
-torchloom report          (the last demo's per-graph report)
+torchloom demo [--device cpu|cuda] [--iters N] [--no-inductor] [--report]
 torchloom cache ...       (loom's compile cache: stats, list, show, explain, clear)
+torchloom --version
+
+Nothing heavy is imported before a command needs it (``--help`` and
+``--version`` import no torch; ``cache`` imports torch but not Inductor), and a
+closed pipe (``torchloom cache list | head``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import os
 import sys
 from collections.abc import Sequence
+from typing import Final
+
+_DISTRIBUTIONS: Final = (
+    "torchloom",
+    "torchloom-cache",
+    "torchloom-hops",
+    "torchloom-resize",
+    "torchloom-cudagraph",
+    "torchloom-sidefx",
+    "torchloom-cells",
+)
 
 __all__ = ["main"]
 
@@ -56,26 +73,59 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["cache"]:
-        from torchloom._cli_cache import main as cache_main
+def _version() -> str:
+    parts = []
+    for dist in _DISTRIBUTIONS:
+        try:
+            parts.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "\n".join(parts)
 
-        return cache_main(args_list[1:])
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchloom", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser("demo", help="compile real models with loom, check and time them")
     demo.add_argument("--device", choices=["cpu", "cuda"], default=None)
     demo.add_argument("--iters", type=int, default=10)
     demo.add_argument("--no-inductor", action="store_true", help="skip the Inductor column")
     demo.add_argument("--report", action="store_true", help="print torchloom.report() after")
-    args = parser.parse_args(argv)
+    sub.add_parser(
+        "cache",
+        help="loom's compile cache: stats, list, show, explain, clear (torchloom cache --help)",
+        add_help=False,
+    )
+    return parser
+
+
+def _run(args_list: list[str]) -> int:
+    if args_list[:1] == ["cache"]:
+        from torchloom._cli_cache import main as cache_main
+
+        return cache_main(args_list[1:])
+    args = _parser().parse_args(args_list)
     if args.command == "demo":
         return _demo(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    raise AssertionError(args.command)  # argparse refused anything else
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``torchloom ARGV``; returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        status = _run(args_list)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (``| head``): no traceback, and no second error when
+        # the interpreter flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command a pipe ended
+    return status
 
 
 if __name__ == "__main__":

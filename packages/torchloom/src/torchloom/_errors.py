@@ -11,6 +11,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from loom_sidefx import Refusal, RefusalError
+
 __all__ = ["LoomRefusal", "RefusalKind", "Unsupported"]
 
 
@@ -26,27 +28,22 @@ class RefusalKind(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Unsupported:
+class Unsupported(Refusal[RefusalKind]):
     """What was refused, where, why, and what to do instead.
 
     ``cause`` keeps the package's own refusal when a package refused (e.g. a
-    ``loom_resize.Unsupported`` with its kind, where and hint), as typed data.
+    ``loom_resize.Unsupported`` with its kind, where and hint), as typed data:
+    every package's refusal is a :class:`loom_sidefx.Refusal`.
     """
 
-    kind: RefusalKind
-    where: str
-    explanation: str
-    hint: str = ""
-    cause: Any = dataclasses.field(default=None, compare=False)
+    cause: Refusal[Any] | None = dataclasses.field(default=None, compare=False)
 
     def __str__(self) -> str:
         text = f"{self.where}: {self.explanation}" if self.where else self.explanation
         return f"{text} (hint: {self.hint})" if self.hint else text
 
 
-class LoomRefusal(RuntimeError):
+class LoomRefusal(RefusalError, RuntimeError):
     """Raised by a stage to refuse a graph; carries the typed reason."""
 
-    def __init__(self, reason: Unsupported) -> None:
-        super().__init__(str(reason))
-        self.reason = reason
+    reason: Unsupported

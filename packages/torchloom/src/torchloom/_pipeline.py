@@ -442,7 +442,7 @@ class _ColdCompilers:
         if self.snapshot.options.codegen == "inductor":
             # Inductor's own set-up: every Inductor compile pays it, loom or not.
             with self.snapshot.record.timed("inductor.setup", owner="torch"):
-                self.inductor_state = compat.InductorCompileState()
+                self.inductor_state = compat.InductorCompileState(gm)
 
     def as_kwargs(self) -> dict[str, Any]:
         return {

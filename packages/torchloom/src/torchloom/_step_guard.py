@@ -21,6 +21,8 @@ import dataclasses
 import enum
 import functools
 import inspect
+import itertools
+import operator
 import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -32,6 +34,7 @@ from torchloom import _torch_compat as compat
 
 __all__ = [
     "ANY_TENSOR",
+    "FastKey",
     "GuardKind",
     "GuardMismatch",
     "StepGuard",
@@ -221,6 +224,22 @@ def _leaf_spec(v: Any) -> Any:
     return (type(v).__name__, v)
 
 
+_GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FastKey:
+    """The per-call check of a recording: the ids and addresses of every object its
+    guard reads (gradients as the next call must find them), held alive here."""
+
+    ids: list[int]
+    pointers: list[int | None]
+    positions: list[int]
+    requires_grad: tuple[bool, ...]
+    held: list[Any] = dataclasses.field(repr=False)
+
+
 class StepProbe:
     """Reads a :class:`StepGuard` from the targets; built once per recording (the
     containers it reads are fixed then; a changed module tree shows as changed ids).
@@ -253,6 +272,52 @@ class StepProbe:
         pnames = {id(p): n for n, p in zip(tensor_names, self._module_tensors(), strict=False)}
         self._param_names = tuple(
             pnames.get(id(p), f"parameter #{i}") for i, p in enumerate(self.params)
+        )
+        self._views: list[Iterable[Any]] | None = None
+
+    def fast_objects(self) -> list[Any]:
+        """Every object the guard reads, in a fixed order, gathered at C speed (live
+        dict views and lists): what :class:`FastKey` compares by id and address.
+        The gradients come last, one per parameter."""
+        if self._views is None:
+            views: list[Iterable[Any]] = [d.values() for d, _ in self._dicts]
+            for _, opt in self.targets.optimizers:
+                views += [opt.param_groups, opt.state.values()]
+                for group in opt.param_groups:
+                    views += [group.values(), group["params"]]
+                for state in opt.state.values():
+                    views.append(state.values())
+            self._views = views
+        objs = list(itertools.chain.from_iterable(self._views))
+        objs += [read() for _, read in self.targets.roots]
+        for _, opt in self.targets.optimizers:
+            objs += (opt.param_groups, opt.state)
+        objs += [t for _, t in self.targets.tensors]
+        objs += map(_GRAD, self.params)
+        return objs
+
+    def fast_key(self, objs: list[Any], grads: Sequence[Any]) -> FastKey:
+        """The fast key of ``objs`` (from :meth:`fast_objects`) with ``grads`` in
+        place of the gradients found."""
+        n = len(objs) - len(self.params)
+        held = [*objs[:n], *grads]
+        pos = [i for i, v in enumerate(held) if isinstance(v, torch.Tensor)]
+        return FastKey(
+            ids=list(map(id, held)),
+            pointers=[v.data_ptr() if isinstance(v, torch.Tensor) else None for v in held],
+            positions=pos,
+            requires_grad=tuple(map(_REQUIRES_GRAD, self.params)),
+            held=held,
+        )
+
+    def fast_matches(self, key: FastKey) -> bool:
+        """Whether nothing the guard reads changed since ``key`` was made: the same
+        objects (by id; ``key`` holds them), at the same addresses."""
+        objs = self.fast_objects()
+        return (
+            list(map(id, objs)) == key.ids
+            and compat.step_data_ptrs_equal(objs, key.pointers, key.positions)
+            and tuple(map(_REQUIRES_GRAD, self.params)) == key.requires_grad
         )
 
     def _module_tensors(self) -> list[Any]:
@@ -354,7 +419,8 @@ class StepProbe:
         )
 
     def held(self) -> list[Any]:
-        """The objects a guard names by id: a recording keeps them alive."""
+        """The objects a guard names by id: a recording keeps them alive (so that
+        no new object can take one's id while the guard lives)."""
         objects: list[Any] = []
         for d, _ in self._dicts:
             objects.extend(d.values())
@@ -439,10 +505,50 @@ def find_targets(fn: Callable[..., Any], extra: Iterable[Any] = ()) -> StepTarge
         elif depth == 0 and isinstance(obj, dict):
             for k, v in obj.items():
                 add(f"{name}[{k!r}]", v, None, 1)
-        elif depth == 0 and hasattr(obj, "__dict__") and not callable(obj):
+        elif (
+            depth == 0
+            and hasattr(obj, "__dict__")
+            and not callable(obj)
+            and not isinstance(obj, types.ModuleType)
+        ):
             attrs = vars(obj)
             for k, v in list(attrs.items()):
                 add(f"{name}.{k}", v, functools.partial(attrs.get, k), 1)
+
+    seen_code: set[int] = set()
+
+    def scan(target: Any, prefix: str, depth: int) -> None:
+        """The closure, defaults and named globals of a Python function; a plain
+        function found there (a helper the step calls) is scanned too."""
+        code = getattr(target, "__code__", None)
+        if code is None or id(code) in seen_code or depth > _HELPER_DEPTH:
+            return
+        seen_code.add(id(code))
+        helpers: list[tuple[str, Any]] = []
+
+        def visit(name: str, value: Any, read: Callable[[], Any] | None) -> None:
+            if _is_user_function(value):
+                helpers.append((name, value))
+            else:
+                add(prefix + name, value, read)
+
+        cells = getattr(target, "__closure__", None) or ()
+        for name, cell in zip(code.co_freevars, cells, strict=False):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            visit(name, value, functools.partial(_cell_contents, cell))
+        for k, v in enumerate(getattr(target, "__defaults__", None) or ()):
+            visit(f"default[{k}]", v, None)
+        for k, v in (getattr(target, "__kwdefaults__", None) or {}).items():
+            visit(k, v, None)
+        glob = getattr(target, "__globals__", {})
+        for name in dict.fromkeys(_code_names(code)):
+            if name in glob:
+                visit(name, glob[name], functools.partial(glob.get, name))
+        for name, helper in helpers:
+            scan(helper, f"{prefix}{name}.", depth + 1)
 
     for i, obj in enumerate(extra):
         add(f"track[{i}]", obj, None)
@@ -457,23 +563,7 @@ def find_targets(fn: Callable[..., Any], extra: Iterable[Any] = ()) -> StepTarge
     if isinstance(target, torch.nn.Module):
         add("module", target, None)
         target = type(target).forward
-    code = getattr(target, "__code__", None)
-    if code is not None:
-        cells = getattr(target, "__closure__", None) or ()
-        for name, cell in zip(code.co_freevars, cells, strict=False):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            add(name, value, functools.partial(_cell_contents, cell))
-        for k, v in enumerate(getattr(target, "__defaults__", None) or ()):
-            add(f"default[{k}]", v, None)
-        for k, v in (getattr(target, "__kwdefaults__", None) or {}).items():
-            add(k, v, None)
-        glob = getattr(target, "__globals__", {})
-        for name in dict.fromkeys(_code_names(code)):
-            if name in glob:
-                add(name, glob[name], functools.partial(glob.get, name))
+    scan(target, "", 0)
     values = list(found.values())
     modules = [(n, o) for n, o in values if isinstance(o, torch.nn.Module)]
     # A submodule of a tracked module is guarded through its parent, and so are
@@ -488,6 +578,18 @@ def find_targets(fn: Callable[..., Any], extra: Iterable[Any] = ()) -> StepTarge
             (n, o) for n, o in values if isinstance(o, torch.Tensor) and id(o) not in owned
         ),
         roots=tuple(roots),
+    )
+
+
+#: How deep helper functions called by the step are scanned for modules and optimizers.
+_HELPER_DEPTH = 2
+
+
+def _is_user_function(value: Any) -> bool:
+    """A plain Python function outside torch and loom (a helper of the step)."""
+    module = getattr(value, "__module__", None) or ""
+    return isinstance(value, types.FunctionType) and not module.startswith(
+        ("torch", "torchloom", "loom_")
     )
 
 
@@ -508,10 +610,6 @@ def _code_names(code: types.CodeType) -> list[str]:
 
 def _is_scaler(obj: Any) -> bool:
     return isinstance(obj, GradScaler)
-
-
-def tensor_leaves(leaves: Sequence[Any]) -> list[int]:
-    return [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
 
 
 # Re-exported for the step runtime: flattening is the one private torch API it needs.

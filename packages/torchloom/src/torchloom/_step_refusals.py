@@ -8,19 +8,23 @@ one under ``cudagraph_or_error``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import inspect
 import linecache
 import os
+import sysconfig
 import traceback
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
+from loom_sidefx import Refusal, RefusalError
 from torchloom._step_guard import StepTargets
 
 __all__ = [
@@ -29,6 +33,7 @@ __all__ = [
     "StepUnsupported",
     "autocast_refusal",
     "call_site",
+    "collect_syncs",
     "optimizer_refusals",
     "scaler_refusals",
     "sync_refusal",
@@ -62,13 +67,10 @@ class StepRefusal(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StepUnsupported:
-    """What was refused, where (the user's ``file:line``), why, what to do instead."""
+class StepUnsupported(Refusal[StepRefusal]):
+    """What was refused, where (the user's ``file:line``), why, what to do instead
+    (a ``loom_sidefx.Refusal``); ``op`` names the operation or its source line."""
 
-    kind: StepRefusal
-    where: str
-    explanation: str
-    hint: str = ""
     op: str = ""
     #: Whether CUDA work runs uncaptured because of it (False on a host-only step).
     cuda_work: bool = True
@@ -81,16 +83,18 @@ class StepUnsupported:
         return f"{text} (hint: {self.hint})" if self.hint else text
 
 
-class CaptureStepError(RuntimeError):
+class CaptureStepError(RefusalError, RuntimeError):
     """Raised under ``cudagraph_or_error`` when a step would run uncaptured."""
 
+    reason: StepUnsupported
+
     def __init__(self, reason: StepUnsupported, step: str = "") -> None:
+        super().__init__(reason)
         where = f" {step}" if step else ""
-        super().__init__(
+        self.args = (
             f"cudagraph_or_error: capture_step{where} runs uncaptured: {reason}. "
-            "Unset cudagraph_or_error (or TORCHLOOM_CUDAGRAPH_OR_ERROR) to run it uncaptured."
+            "Unset cudagraph_or_error (or TORCHLOOM_CUDAGRAPH_OR_ERROR) to run it uncaptured.",
         )
-        self.reason = reason
 
 
 # --- where: the user's source line ----------------------------------------------------------
@@ -115,8 +119,21 @@ _COMPILE_PARTS = (
 )
 
 
+@functools.cache
+def _stdlib_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Python's own library (``warnings``, ``contextlib``), and the package folders
+    that may lie inside it (which are not)."""
+    paths = sysconfig.get_paths()
+    std = tuple(str(Path(paths[k]).resolve()) + os.sep for k in ("stdlib", "platstdlib"))
+    pkgs = tuple(str(Path(paths[k]).resolve()) + os.sep for k in ("purelib", "platlib"))
+    return std, pkgs
+
+
 def _is_library(filename: str) -> bool:
-    return filename.startswith(_library_dirs()) or "<frozen" in filename
+    if filename.startswith(_library_dirs()) or filename.startswith("<"):
+        return True
+    std, pkgs = _stdlib_dirs()
+    return filename.startswith(std) and not filename.startswith(pkgs)
 
 
 def user_frame(stack: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
@@ -243,3 +260,34 @@ def sync_refusal(stack: Sequence[traceback.FrameSummary]) -> StepUnsupported | N
         "return the tensor and read it after the call",
         op=line,
     )
+
+
+#: The text of the warning CUDA's sync debug mode gives for a synchronizing operation.
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+@contextlib.contextmanager
+def collect_syncs(found: list[StepUnsupported]) -> Iterator[None]:
+    """Turn each sync warning issued in the block into a refusal naming the user's
+    line (other warnings are shown as usual); see :func:`sync_refusal`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        show = warnings.showwarning
+
+        def hook(
+            message: Warning | str,
+            category: type[Warning],
+            filename: str,
+            lineno: int,
+            file: TextIO | None = None,
+            line: str | None = None,
+        ) -> None:
+            if SYNC_WARNING in str(message):
+                reason = sync_refusal(traceback.extract_stack()[:-1])
+                if reason is not None:
+                    found.append(reason)
+                return
+            show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = hook
+        yield

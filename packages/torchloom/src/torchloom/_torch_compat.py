@@ -10,6 +10,8 @@ step that needs them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -34,6 +36,7 @@ __all__ = [
     "OutputCode",
     "aot_autograd",
     "aot_cache_info",
+    "aot_try_load_slot",
     "autograd_cache",
     "autograd_cache_forced",
     "backed_symints",
@@ -61,6 +64,7 @@ __all__ = [
     "reload_inductor_segment",
     "segment_codegen_strides",
     "static_input_indices",
+    "step_data_ptrs_equal",
     "step_foreach_copy_",
     "step_graph_replay",
     "step_storage_use_count",
@@ -80,6 +84,10 @@ CONTROL_FLOW_EXCEPTIONS: tuple[type[BaseException], ...] = (
     SkipFrame,
     ShortenTraceback,
 )
+
+
+def _first_parameter(fn: Callable[..., Any]) -> str:
+    return next(iter(inspect.signature(fn).parameters), "")
 
 
 def _compile_fx() -> Any:
@@ -145,10 +153,16 @@ def inductor_partition(gm: GraphModule, joint_inputs: Sequence[Any], **kwargs: A
 
 
 class InductorCompileState:
-    """Per-Dynamo-graph state Inductor threads through forward and backward."""
+    """Per-Dynamo-graph state Inductor threads through forward and backward.
 
-    def __init__(self) -> None:
-        self.extra = _compile_fx().create_compiler_config_extra(inductor_config)
+    torch 2.11 and 2.12 build it from Inductor's config module; 2.13 and later
+    from the Dynamo graph (its ``cudagraph_annotation`` meta) and the config.
+    """
+
+    def __init__(self, gm: GraphModule) -> None:
+        make = _compile_fx().create_compiler_config_extra
+        from_graph = _first_parameter(make) == "gm"  # 2.13+
+        self.extra = make(gm) if from_graph else make(inductor_config)
 
 
 def inductor_compile_inner(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
@@ -285,10 +299,17 @@ def backed_symints(args: Sequence[Any]) -> list[Any]:
 
 
 def entry_guards_hold(guards: str, symints: Sequence[Any]) -> bool:
-    """Whether a stored AOTAutograd entry's shape guards hold for ``symints``."""
-    from torch.fx.experimental.symbolic_shapes import size_hint
+    """Whether a stored AOTAutograd entry's shape guards hold for ``symints``.
 
-    return bool(autograd_cache().evaluate_guards(guards, [size_hint(s) for s in symints]))
+    The hints are what AOTAutograd's own lookup passes: ``size_hint`` on 2.11 and
+    2.12, ``guarding_hint_or_throw`` on 2.13 and later (``size_hint`` is gone).
+    """
+    from torch.fx.experimental import symbolic_shapes
+
+    hint: Callable[[Any], Any] = getattr(
+        symbolic_shapes, "guarding_hint_or_throw", None
+    ) or getattr(symbolic_shapes, "size_hint")  # noqa: B009
+    return bool(autograd_cache().evaluate_guards(guards, [hint(s) for s in symints]))
 
 
 def aot_cache_info(key: str, symints: Sequence[Any]) -> Any:
@@ -298,6 +319,68 @@ def aot_cache_info(key: str, symints: Sequence[Any]) -> Any:
     from torch._functorch._aot_autograd.schemas import AOTAutogradCacheInfo
 
     return AOTAutogradCacheInfo(key, time.time_ns(), list(symints))
+
+
+#: ``load(args, aot_config, fx_config)``: a compiled callable served from loom's cache, or ``None``.
+AotLoad = Callable[[list[Any], Any, dict[str, Any]], Any]
+
+
+def aot_try_load_slot(key: str, load: AotLoad) -> Callable[..., Any]:
+    """A replacement for ``AOTAutogradCache.try_load`` that serves from ``load``.
+
+    On a miss it tags the AOT config with ``key`` so that AOTAutograd saves its
+    entry under it. The slot's calling convention differs by release:
+
+    - 2.11, 2.12: ``try_load(mod, args, aot_config, cudagraphs,
+      boxed_forward_device_index, local, remote) -> compiled | None``; the config
+      is mutable and tagged in place.
+    - 2.13 and later: ``try_load(mod, args, aot_config, compiler_config_extra,
+      local, remote, [act_input_paths,] compile_region_name=...) -> (compiled |
+      None, aot_config)``; the config is frozen, a tagged copy is returned.
+    """
+    from torch._functorch._aot_autograd import autograd_cache as module
+
+    if not hasattr(module, "create_fx_config"):  # 2.11, 2.12
+
+        def try_load_211(
+            mod: Any,
+            args: list[Any],
+            aot_config: Any,
+            cudagraphs: Any,
+            boxed_forward_device_index: Any,
+            local: bool,
+            remote: bool,
+        ) -> Any:
+            fx_config = {
+                "cudagraphs": cudagraphs,
+                "boxed_forward_device_index": boxed_forward_device_index,
+            }
+            compiled = load(args, aot_config, fx_config)
+            if compiled is None:
+                aot_config.cache_info = aot_cache_info(key, backed_symints(args))
+            return compiled
+
+        return try_load_211
+
+    def try_load(
+        mod: Any,
+        args: list[Any],
+        aot_config: Any,
+        compiler_config_extra: Any,
+        local: bool,
+        remote: bool,
+        *rest: Any,
+        compile_region_name: str | None = None,
+    ) -> tuple[Any, Any]:
+        make_fx_config: Any = getattr(module, "create_fx_config")  # noqa: B009  (2.13+ only)
+        fx_config = dict(make_fx_config(compiler_config_extra, compile_region_name))
+        compiled = load(args, aot_config, fx_config)
+        if compiled is not None:
+            return compiled, aot_config
+        info = aot_cache_info(key, backed_symints(args))
+        return None, dataclasses.replace(aot_config, cache_info=info)
+
+    return try_load
 
 
 def publish_entry_fw_metadata(entry: Any) -> None:
@@ -441,3 +524,21 @@ def step_graph_replay(graph: Any) -> Callable[[], object]:
     override (which only calls ``super().replay()``)."""
     replay: Callable[[], object] = torch._C._CUDAGraph.replay.__get__(graph)
     return replay
+
+
+def _step_data_ptrs_equal_py(
+    tensors: list[Any], ptrs: list[int | None], indices: list[int]
+) -> bool:
+    """The Python spelling of the C++ check (torch 2.13 and later removed it)."""
+    for i in indices:
+        t = tensors[i]
+        if not isinstance(t, torch.Tensor) or t.data_ptr() != ptrs[i]:
+            return False
+    return True
+
+
+#: ``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` in ``indices`` (lists): one C++
+#: call where torch has it (2.11, 2.12), a Python loop with the same answer elsewhere.
+step_data_ptrs_equal: Callable[[list[Any], list[int | None], list[int]], bool] = getattr(
+    torch._C, "_tensors_data_ptrs_at_indices_equal", _step_data_ptrs_equal_py
+)

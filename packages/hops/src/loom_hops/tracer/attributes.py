@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from loom_sidefx import AttrSource, GuardKind, ObjectSource, OpKind
+from loom_sidefx import AttrSource, GuardKind, Missing, ObjectSource, Staged
 
 from .context import TraceContext, is_const, is_symbolic, slot
 from .refusal import TraceRefusal, refuse
@@ -206,9 +206,12 @@ def _const_or_wrap(ctx: TraceContext, attr: Any) -> Value:
 
 
 def _object_attr(ctx: TraceContext, v: ObjectV, name: str, depth: int) -> Value:
-    if name in v.attrs:
-        return v.attrs[name]
-    if name in v.deleted:
+    with ctx.log() as se:
+        stored = se.load_attr(v.ref, name)
+    if isinstance(stored, Staged):
+        written: Value = stored.payload
+        return written
+    if stored is Missing.ABSENT and not v.ref.is_new:
         raise refuse(TraceRefusal.HOOK_RAISES, f"AttributeError: {name!r} was deleted")
     cls = v.py_type
     static = _static_lookup(cls, name)
@@ -267,7 +270,7 @@ def _super_attr(ctx: TraceContext, v: SuperV, name: str) -> Value:
 
 
 def set_attr(ctx: TraceContext, v: Value, name: str, value: Value) -> None:
-    """``v.name = value``: buffered on the symbolic object and logged as an effect."""
+    """``v.name = value``: a store in the trace's side-effect log."""
     if not isinstance(v, ObjectV):
         raise refuse(
             TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
@@ -288,9 +291,8 @@ def set_attr(ctx: TraceContext, v: Value, name: str, value: Value) -> None:
         raise refuse(
             TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"{cls.__qualname__}.{name} is a descriptor"
         )
-    v.attrs[name] = value
-    v.deleted.discard(name)
-    ctx.effect(OpKind.STORE_ATTR, v, ConstV(name), value)
+    with ctx.log() as se:
+        se.store_attr(v.ref, name, Staged(value))
 
 
 def del_attr(ctx: TraceContext, v: Value, name: str) -> None:
@@ -298,6 +300,5 @@ def del_attr(ctx: TraceContext, v: Value, name: str) -> None:
     if not isinstance(v, ObjectV) or slot(v.py_type, "__delattr__") is not object.__delattr__:
         raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"deleting attribute {name!r}")
     get_attr(ctx, v, name, 0)  # AttributeError if it is not there
-    v.attrs.pop(name, None)
-    v.deleted.add(name)
-    ctx.effect(OpKind.DEL_ATTR, v, ConstV(name))
+    with ctx.log() as se:
+        se.del_attr(v.ref, name)

@@ -14,7 +14,7 @@ import torch
 
 from .. import _torch_compat
 from .attributes import get_attr
-from .containers import call_dict_method, call_list_method, call_set_method, iterate
+from .containers import call_dict_method, call_list_method, call_set_method, iterate, set_item
 from .context import TraceContext, is_const, is_symbolic, operand
 from .frame import inline_call
 from .operators import binary_op, python_op, python_value, truthy
@@ -398,7 +398,7 @@ def _sorted(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], dept
     reverse = bool(ctx.specialize(kwargs.pop("reverse", ConstV(False))))
     _no_kwargs("sorted", kwargs)
     values = [python_value(ctx, x) for x in ctx.sequence_items(args[0])]
-    return ListV(None, None, items=[ConstV(v) for v in python_op(sorted, values, reverse=reverse)])
+    return ctx.new_list(ConstV(v) for v in python_op(sorted, values, reverse=reverse))
 
 
 def _make_container(kind: type) -> Builtin:
@@ -406,10 +406,10 @@ def _make_container(kind: type) -> Builtin:
         _no_kwargs(kind.__name__, kwargs)
         items = ctx.sequence_items(args[0]) if args else []
         if kind is list:
-            return ListV(None, None, items=items)
+            return ctx.new_list(items)
         if kind is tuple:
             return TupleV(tuple(items))
-        return SetV(None, None, items={ctx.specialize(x) for x in items})
+        return ctx.new_set(ctx.specialize(x) for x in items)
 
     return impl
 
@@ -420,11 +420,11 @@ for _kind in (list, tuple, set):
 
 @builtin(dict)
 def _dict(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-    out = DictV(None, None, items={})
+    out = ctx.new_dict()
     if args:
         call_dict_method(ctx, out, "update", [args[0]])
-    assert out.items is not None
-    out.items.update(kwargs)
+    for key, value in kwargs.items():
+        set_item(ctx, out, key, value)
     return out
 
 

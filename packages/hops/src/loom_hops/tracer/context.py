@@ -12,9 +12,10 @@ Every closure cell, pre-existing or made while tracing, is modelled by one
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -27,20 +28,25 @@ from loom_sidefx import (
     Guard,
     GuardKind,
     ItemSource,
+    Missing,
     ObjectSource,
-    OpKind,
+    ObjKind,
     Original,
     Ref,
     ReplayPlan,
     SameElements,
+    SideEffectRefusal,
+    SideEffectRefused,
     SideEffects,
     Source,
+    Staged,
     concrete,
     is_constant,
 )
+from loom_sidefx import Value as Recorded
 
 from .. import _torch_compat
-from .effects import PendingEffect, PlanRecorder
+from .effects import PlanRecorder
 from .predicates import EqualTo, TensorMeta
 from .refusal import Refused, TraceRefusal, refuse
 from .values import (
@@ -183,6 +189,21 @@ def cell_refusal(exc: CellRefused) -> Refused:
     return refused
 
 
+_SIDE_EFFECT_REFUSAL = {
+    SideEffectRefusal.WOULD_RAISE: TraceRefusal.HOOK_RAISES,
+    SideEffectRefusal.UNSUPPORTED_KEY: TraceRefusal.UNSUPPORTED_VALUE,
+}
+
+
+def side_effect_refusal(exc: SideEffectRefused) -> Refused:
+    """The tracer's refusal for a refusal of the side-effect log met while tracing."""
+    u = exc.reason
+    kind = _SIDE_EFFECT_REFUSAL.get(u.kind, TraceRefusal.UNSUPPORTED_SIDE_EFFECT)
+    refused = refuse(kind, u.explanation, u.hint)
+    refused.where = u.where or None
+    return refused
+
+
 class TraceContext:
     """Everything one trace accumulates; see the module docstring."""
 
@@ -192,18 +213,22 @@ class TraceContext:
         self.max_depth = max_depth
         self.inputs: list[tuple[Source, torch.fx.Node, torch.Tensor]] = []
         self.guards: dict[Guard, None] = {}
-        self.effects: list[PendingEffect] = []
         self.known: dict[int, Value] = {}
         self.keepalive: list[object] = []
-        self.global_writes: dict[tuple[int, str], Value | None] = {}
+        # The globals dicts (by id) and names the trace wrote: their values are in the log.
+        self.global_writes: set[tuple[int, str]] = set()
         self.grad_enabled = torch.is_grad_enabled()
         self.codes: list[types.CodeType] = []
         self.opaque_calls: list[str] = []
         self.where = "<hook>"
-        # The side-effect log and the cell model: every cell is modelled by
-        # `cells` while tracing; other effects are recorded when the trace ends.
+        # The model of Python state: every list, dict, set, object, globals
+        # dict and cell the hook touches is tracked by the side-effect log
+        # (cells through `cells`), which holds their symbolic contents (tracer
+        # values as `Staged`) and records mutations of pre-existing ones in
+        # program order.
         self.side_effects = SideEffects()
         self.cells = CellModel(self.side_effects, guard_policy=cell_guard_policy)
+        self.new_values: dict[Ref, Value] = {}
 
     # ------------------------------------------------------------------ guards
     def guard(self, source: Source | None, kind: GuardKind, expected: Any) -> None:
@@ -323,22 +348,19 @@ class TraceContext:
                 "pass the module's tensors or settings to the hook through a closure instead",
             )
         cls = type(obj)
-        if isinstance(obj, list):
+        container = next((c for c in (ListV, DictV, SetV) if isinstance(obj, c.cls)), None)
+        if container is not None:
             self.guard(source, GuardKind.TYPE, cls)
-            return self.remember(obj, ListV(obj, source, cls=cls))
-        if isinstance(obj, dict):
-            self.guard(source, GuardKind.TYPE, cls)
-            return self.remember(obj, DictV(obj, source, cls=cls))
-        if isinstance(obj, set):
-            self.guard(source, GuardKind.TYPE, cls)
-            return self.remember(obj, SetV(obj, source, cls=cls))
+            ref = self.side_effects.track_existing(obj, source)
+            return self.remember(obj, container(obj, ref, source, cls=cls))
         if (
             hasattr(obj, "__dict__")
             and slot(cls, "__getattribute__") is object.__getattribute__
             and not isinstance(obj, (types.MethodType, types.GeneratorType))
         ):
             self.guard(source, GuardKind.TYPE, cls)
-            return self.remember(obj, ObjectV(obj, source))
+            ref = self.side_effects.track_existing(obj, source)
+            return self.remember(obj, ObjectV(obj, ref, source))
         raise refuse(
             TraceRefusal.UNSUPPORTED_VALUE,
             f"cannot model a {cls.__module__}.{cls.__qualname__} read from {source}",
@@ -377,45 +399,75 @@ class TraceContext:
         return TensorV(node, fake, source)
 
     # -------------------------------------------------------------- containers
+    @contextlib.contextmanager
+    def log(self) -> Iterator[SideEffects]:
+        """The side-effect log, at the current line; its refusals become the tracer's."""
+        self.side_effects.where = self.where
+        try:
+            yield self.side_effects
+        except SideEffectRefused as exc:
+            raise side_effect_refusal(exc) from None
+
+    def unstage(self, value: Recorded, source: Source | None = None) -> Value:
+        """The tracer value of what the log holds: staged as stored, else the
+        pre-existing object (``Original``, a tracked ``Ref``) or constant, wrapped."""
+        if isinstance(value, Staged):
+            v: Value = value.payload
+            return v
+        if isinstance(value, Original):
+            return self.wrap(value.obj, value.source or source)
+        if isinstance(value, Ref):
+            if value.is_new:
+                return self.new_values[value]
+            se = self.side_effects
+            return self.wrap(se.live_object(value), se.source_of(value) or source)
+        return self.wrap(concrete(value), source)
+
+    def _new(self, v: ObjectV) -> ObjectV:
+        self.new_values[v.ref] = v
+        return v
+
+    def new_list(self, items: Iterable[Value] = ()) -> ListV:
+        """A list the hook creates."""
+        with self.log() as se:
+            ref = se.track_new(ObjKind.LIST, [Staged(x) for x in items])
+        return self._new(ListV(None, ref))  # type: ignore[return-value]
+
+    def new_dict(self, items: Iterable[tuple[Any, Value]] = ()) -> DictV:
+        """A dict the hook creates (constant keys)."""
+        with self.log() as se:
+            ref = se.track_new(ObjKind.DICT, [(k, Staged(x)) for k, x in items])
+        return self._new(DictV(None, ref))  # type: ignore[return-value]
+
+    def new_set(self, items: Iterable[Any] = ()) -> SetV:
+        """A set the hook creates (constant elements)."""
+        with self.log() as se:
+            ref = se.track_new(ObjKind.SET, items)
+        return self._new(SetV(None, ref))  # type: ignore[return-value]
+
     def list_items(self, v: ListV) -> list[Value]:
-        if v.items is None:
-            src = v.source
-            self.guard(src, GuardKind.LENGTH, len(v.obj))
-            v.items = [
-                self.wrap(x, ItemSource(src, i) if src is not None else None)
-                for i, x in enumerate(list.__iter__(v.obj))
-            ] + v.tail
-            v.tail = []
-        return v.items
+        """The list's current items (a pre-existing list's length is guarded)."""
+        with self.log() as se:
+            items = se.list_items(v.ref)
+        src = v.source
+        return [
+            self.unstage(x, ItemSource(src, i) if src is not None else None)
+            for i, x in enumerate(items)
+        ]
 
     def dict_items(self, v: DictV) -> dict[Any, Value]:
-        if v.items is None:
-            src = v.source
-            keys = tuple(dict.keys(v.obj))
-            for k in keys:
-                if type(k) not in (int, str):
-                    raise refuse(
-                        TraceRefusal.UNSUPPORTED_VALUE,
-                        f"a dict with a {type(k).__name__} key is read by the hook",
-                    )
-            self.guard(src, GuardKind.DICT_KEYS, keys)
-            items = {
-                k: self.wrap(
-                    dict.__getitem__(v.obj, k), ItemSource(src, k) if src is not None else None
-                )
-                for k in keys
-            }
-            items.update(v.pending)
-            v.items, v.pending = items, {}
-        return v.items
+        """The dict's current items (a pre-existing dict's keys are guarded)."""
+        with self.log() as se:
+            pairs = se.dict_items(v.ref)
+        src = v.source
+        return {
+            k: self.unstage(x, ItemSource(src, k) if src is not None else None) for k, x in pairs
+        }
 
     def set_items(self, v: SetV) -> set[Any]:
-        if v.items is None:
-            if not all(is_const(x) for x in v.obj):
-                raise refuse(TraceRefusal.UNSUPPORTED_VALUE, "a set of non-constant values is read")
-            self.guard_equals(v.source, set(v.obj))
-            v.items = set(v.obj)
-        return v.items
+        """The set's current elements (a pre-existing set's elements are guarded)."""
+        with self.log() as se:
+            return set(se.set_items(v.ref))
 
     def require_base_protocol(self, v: Value, *dunders: str) -> None:
         """Refuse a container subclass that overrides one of ``dunders`` (not modelled)."""
@@ -464,28 +516,15 @@ class TraceContext:
         raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"cannot iterate over a {v.py_type.__name__}")
 
     # ----------------------------------------------------------------- effects
-    def effect(
-        self,
-        op: OpKind,
-        target: Value | None = None,
-        key: Value | None = None,
-        value: Value | None = None,
-    ) -> None:
-        if target is not None and target.source is None:
-            return  # a new object: its final state is rebuilt, not replayed
-        self.effects.append(PendingEffect(op, target, key, value, self.where))
-
     def store_cell(self, cell: Cell, value: Value) -> None:
         """``STORE_DEREF``: the model holds ``value``; a pre-existing cell's write is replayed."""
         self.side_effects.where = self.where
         try:
-            self.cells.stage(cell, value)
+            self.cells.store(cell, Staged(value))
         except CellRefused as exc:
             raise cell_refusal(exc) from None
-        if not cell.is_new:
-            self.effects.append(
-                PendingEffect(OpKind.STORE_CELL, None, None, value, self.where, cell=cell)
-            )
+        except SideEffectRefused as exc:
+            raise side_effect_refusal(exc) from None
 
     def load_cell(self, cell: Cell) -> Value:
         """``LOAD_DEREF``: what the trace stored, or the pre-existing contents (guarded by the model)."""
@@ -494,24 +533,17 @@ class TraceContext:
             value = self.cells.load(cell)
         except CellRefused as exc:
             raise cell_refusal(exc) from None
-        if isinstance(value, Value):
-            return value
         source = self.side_effects.source_of(cell.ref)
-        contents_source = CellContentsSource(source) if source is not None else None
-        if isinstance(value, Original):
-            return self.wrap(value.obj, value.source or contents_source)
-        if isinstance(value, Ref):
-            return self.wrap(self.side_effects.live_object(value), contents_source)
-        return self.wrap(concrete(value), contents_source)
+        return self.unstage(value, CellContentsSource(source) if source is not None else None)
 
     def load_global(self, namespace: dict[str, Any], name: str) -> Value:
-        key = (id(namespace), name)
-        if key in self.global_writes:
-            written = self.global_writes[key]
-            if written is None:
-                raise refuse(TraceRefusal.HOOK_RAISES, f"name {name!r} is not defined")
-            return written
         source = global_source(namespace, name)
+        if (id(namespace), name) in self.global_writes:
+            with self.log() as se:
+                written = se.dict_lookup(se.track_existing(namespace, None), name)
+            if written is Missing.ABSENT:
+                raise refuse(TraceRefusal.HOOK_RAISES, f"name {name!r} is not defined")
+            return self.unstage(written, source)
         if name in namespace:
             return self.wrap(namespace[name], source)
         builtins_ns = namespace.get("__builtins__", __builtins__)
@@ -523,21 +555,14 @@ class TraceContext:
         return ConstV(builtins_ns[name])
 
     def store_global(self, namespace: dict[str, Any], name: str, value: Value | None) -> None:
-        self.keepalive.append(namespace)
-        self.global_writes[(id(namespace), name)] = value
-        op = OpKind.DICT_SETITEM if value is not None else OpKind.DICT_DELITEM
-        self.effects.append(
-            PendingEffect(
-                op,
-                None,
-                None,
-                value,
-                self.where,
-                root=namespace,
-                root_source=globals_source(namespace),
-                name=name,
-            )
-        )
+        """``STORE_GLOBAL`` (``value``) or ``DELETE_GLOBAL`` (None): a mutation of the globals dict."""
+        self.global_writes.add((id(namespace), name))
+        with self.log() as se:
+            ref = se.track_existing(namespace, globals_source(namespace))
+            if value is not None:
+                se.dict_setitem(ref, name, Staged(value))
+            else:
+                se.dict_delitem(ref, name)
 
     # ------------------------------------------------------------------ tensors
     def lower_arg(self, v: Value) -> tuple[Any, Any]:
@@ -555,7 +580,7 @@ class TraceContext:
             lowered = [self.lower_arg(x) for x in v.parts]
             return slice(*[p[0] for p in lowered]), slice(*[p[1] for p in lowered])
         if isinstance(v, (TupleV, ListV)):
-            items = v.items if isinstance(v, TupleV) else self.list_items(v)
+            items = list(v.items) if isinstance(v, TupleV) else self.list_items(v)
             pairs = [self.lower_arg(x) for x in items]
             kind: Callable[[Any], Any] = tuple if isinstance(v, TupleV) else list
             return kind(p[0] for p in pairs), kind(p[1] for p in pairs)
@@ -630,7 +655,7 @@ class TraceContext:
                         f"torch returned a {type(x).__name__} inside a tuple",
                     )
             if isinstance(out, list):
-                return ListV(None, None, items=items)
+                return self.new_list(items)
             return TupleV(tuple(items), None, type(out), _field_names(out))
         if is_const(out) or isinstance(out, (torch.finfo, torch.iinfo)):
             # NOTE: the node stays: it may be an in-place op (setitem) returning None.
@@ -660,7 +685,7 @@ class TraceContext:
         """Graph outputs + replay plan for the hook's return value and buffered effects."""
         self.guard_no_aliasing()
         recorder = PlanRecorder(self)
-        plan, num_user = recorder.finish(result, self.effects)
+        plan, num_user = recorder.finish(result)
         for guard in (*recorder.se.observed_guards(), *self.cells.guards()):
             self.guards.setdefault(guard, None)
         self.graph.output(tuple(recorder.slots))

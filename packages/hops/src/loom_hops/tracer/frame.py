@@ -21,7 +21,7 @@ from loom_sidefx import ObjectSource
 
 from .context import TraceContext, cell_refusal
 from .refusal import Refused, TraceRefusal, refuse
-from .values import DictV, FunctionV, IteratorV, TupleV, Value
+from .values import FunctionV, IteratorV, TupleV, Value
 
 Handler = Callable[["Frame", dis.Instruction], None]
 HANDLERS: dict[str, Handler] = {}
@@ -180,7 +180,7 @@ def inline_call(
         if param.kind is inspect.Parameter.VAR_POSITIONAL:
             bound[name] = TupleV(tuple(value))
         elif param.kind is inspect.Parameter.VAR_KEYWORD:
-            bound[name] = DictV(None, None, items=dict(value))
+            bound[name] = ctx.new_dict(value.items())
         elif isinstance(value, _Default):
             bound[name] = ctx.default_value(fn, value.index)
         else:
@@ -191,9 +191,9 @@ def inline_call(
     # NOTE: a generator expression is run to completion when created; that is
     # exact as long as producing its items has no side effects, checked here.
     frame.yields = []
-    effects_before = len(ctx.effects)
+    effects_before = ctx.side_effects.num_ops
     frame.run()
-    if len(ctx.effects) != effects_before:
+    if ctx.side_effects.num_ops != effects_before:
         raise refuse(
             TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
             "a generator expression with side effects",

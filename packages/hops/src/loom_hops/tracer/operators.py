@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from loom_sidefx import COMPUTE_OPS, Computed, OpKind
+from loom_sidefx import COMPUTE_OPS, Computed, Staged
 from loom_sidefx import Value as Recorded
 
 from .context import TraceContext, operand, slot
@@ -133,7 +133,7 @@ def _sequence_op(ctx: TraceContext, base: str, a: ListV | TupleV, b: Value) -> V
         items = items_a + ctx.sequence_items(b)
     if isinstance(a, TupleV):
         return TupleV(tuple(items))
-    return ListV(None, None, items=items)
+    return ctx.new_list(items)
 
 
 def compare(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
@@ -231,7 +231,7 @@ def get_item(ctx: TraceContext, container: Value, index: Value) -> Value:
                 return TupleV(
                     tuple(picked), cls=torch.Size if container.cls is torch.Size else tuple
                 )
-            return ListV(None, None, items=picked)
+            return ctx.new_list(picked)
         assert isinstance(picked, Value)
         return picked
     if isinstance(container, (ConstV, LazyNum)):
@@ -249,18 +249,15 @@ def set_item(ctx: TraceContext, container: Value, index: Value, value: Value) ->
         idx = ctx.specialize(index)
         if not isinstance(idx, int):
             raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, "slice assignment to a list")
-        items = ctx.list_items(container)
-        python_op(operator.setitem, items, idx, value)
-        ctx.effect(OpKind.LIST_SETITEM, container, ConstV(idx), value)
+        python_op(operator.setitem, ctx.list_items(container), idx, value)
+        with ctx.log() as se:
+            se.list_setitem(container.ref, idx, Staged(value))
         return
     if isinstance(container, DictV) and slot(container.py_type, "__setitem__") is dict.__setitem__:
         key = ctx.specialize(index)
         python_op(hash, key)
-        if container.items is None:
-            container.pending[key] = value
-        else:
-            container.items[key] = value
-        ctx.effect(OpKind.DICT_SETITEM, container, ConstV(key), value)
+        with ctx.log() as se:
+            se.dict_setitem(container.ref, key, Staged(value))
         return
     raise refuse(
         TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
@@ -274,12 +271,14 @@ def del_item(ctx: TraceContext, container: Value, index: Value) -> None:
         if not isinstance(idx, int):
             raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, "slice deletion from a list")
         python_op(operator.delitem, ctx.list_items(container), idx)
-        ctx.effect(OpKind.LIST_DELITEM, container, ConstV(idx))
+        with ctx.log() as se:
+            se.list_delitem(container.ref, idx)
         return
     if isinstance(container, DictV) and slot(container.py_type, "__delitem__") is dict.__delitem__:
         key = ctx.specialize(index)
         python_op(operator.delitem, ctx.dict_items(container), key)
-        ctx.effect(OpKind.DICT_DELITEM, container, ConstV(key))
+        with ctx.log() as se:
+            se.dict_delitem(container.ref, key)
         return
     raise refuse(
         TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"item deletion on a {container.py_type.__qualname__}"

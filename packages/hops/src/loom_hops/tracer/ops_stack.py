@@ -6,7 +6,11 @@ import dis
 from collections.abc import Callable
 from typing import Any
 
+from loom_sidefx import Staged
+
 from .._pyversion import PY311, PY312
+from .containers import list_append
+from .containers import set_item as dict_set_item
 from .frame import Frame, handles
 from .operators import del_item, get_item, python_op, python_value, set_item
 from .refusal import TraceRefusal, refuse
@@ -63,14 +67,14 @@ def _build_tuple(frame: Frame, inst: dis.Instruction) -> None:
 @handles("BUILD_LIST")
 def _build_list(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
-    frame.push(ListV(None, None, items=frame.popn(inst.arg)))
+    frame.push(frame.ctx.new_list(frame.popn(inst.arg)))
 
 
 @handles("BUILD_SET")
 def _build_set(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
-    items = {frame.ctx.specialize(x) for x in frame.popn(inst.arg)}
-    frame.push(SetV(None, None, items=items))
+    items = [frame.ctx.specialize(x) for x in frame.popn(inst.arg)]
+    frame.push(frame.ctx.new_set(python_op(dict.fromkeys, items)))
 
 
 @handles("BUILD_MAP")
@@ -78,7 +82,7 @@ def _build_map(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
     flat = frame.popn(2 * inst.arg)
     items = {frame.ctx.specialize(k): v for k, v in zip(flat[::2], flat[1::2], strict=True)}
-    frame.push(DictV(None, None, items=items))
+    frame.push(frame.ctx.new_dict(items.items()))
 
 
 @handles("BUILD_CONST_KEY_MAP")
@@ -86,7 +90,7 @@ def _build_const_key_map(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
     keys = frame.ctx.specialize(frame.pop())
     values = frame.popn(inst.arg)
-    frame.push(DictV(None, None, items=dict(zip(keys, values, strict=True))))
+    frame.push(frame.ctx.new_dict(dict(zip(keys, values, strict=True)).items()))
 
 
 @handles("BUILD_STRING")
@@ -119,7 +123,7 @@ def _list_append(frame: Frame, inst: dis.Instruction) -> None:
     value = frame.pop()
     target = frame.stack[-inst.arg]
     assert isinstance(target, ListV)
-    frame.ctx.list_items(target).append(value)
+    list_append(frame.ctx, target, value)
 
 
 @handles("LIST_EXTEND")
@@ -128,25 +132,31 @@ def _list_extend(frame: Frame, inst: dis.Instruction) -> None:
     items = frame.ctx.sequence_items(frame.pop())
     target = frame.stack[-inst.arg]
     assert isinstance(target, ListV)
-    frame.ctx.list_items(target).extend(items)
+    with frame.ctx.log() as se:
+        se.list_extend(target.ref, [Staged(x) for x in items])
 
 
 @handles("SET_ADD")
 def _set_add(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
     value = frame.ctx.specialize(frame.pop())
+    python_op(hash, value)
     target = frame.stack[-inst.arg]
     assert isinstance(target, SetV)
-    frame.ctx.set_items(target).add(value)
+    with frame.ctx.log() as se:
+        se.set_add(target.ref, value)
 
 
 @handles("SET_UPDATE")
 def _set_update(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
     items = [frame.ctx.specialize(x) for x in frame.ctx.sequence_items(frame.pop())]
+    for x in items:
+        python_op(hash, x)
     target = frame.stack[-inst.arg]
     assert isinstance(target, SetV)
-    frame.ctx.set_items(target).update(items)
+    with frame.ctx.log() as se:
+        se.set_update(target.ref, items)
 
 
 @handles("MAP_ADD")
@@ -156,7 +166,8 @@ def _map_add(frame: Frame, inst: dis.Instruction) -> None:
     key = frame.ctx.specialize(frame.pop())
     target = frame.stack[-inst.arg]
     assert isinstance(target, DictV)
-    frame.ctx.dict_items(target)[key] = value
+    python_op(hash, key)
+    dict_set_item(frame.ctx, target, key, value)
 
 
 @handles("DICT_UPDATE", "DICT_MERGE")
@@ -174,7 +185,7 @@ def _dict_update(frame: Frame, inst: dis.Instruction) -> None:
                 TraceRefusal.HOOK_RAISES,
                 f"TypeError: got multiple values for keyword argument {k!r}",
             )
-        items[k] = v
+        dict_set_item(frame.ctx, target, k, v)
 
 
 @handles("LIST_TO_TUPLE", when=PY311)
@@ -213,7 +224,7 @@ def _unpack_ex(frame: Frame, inst: dis.Instruction) -> None:
     items = frame.ctx.sequence_items(frame.pop())
     if len(items) < before + after:
         raise refuse(TraceRefusal.HOOK_RAISES, "ValueError: not enough values to unpack")
-    middle = ListV(None, None, items=items[before : len(items) - after])
+    middle = frame.ctx.new_list(items[before : len(items) - after])
     out = [*items[:before], middle, *items[len(items) - after :]]
     frame.stack.extend(reversed(out))
 

@@ -9,7 +9,8 @@ outside the modelled subset of Python ends here rather than in a wrong trace.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+from loom_sidefx import Refusal
 
 
 class TraceRefusal(enum.Enum):
@@ -30,18 +31,10 @@ class TraceRefusal(enum.Enum):
     TRACER_ERROR = "tracer_error"
 
 
-@dataclass(frozen=True, slots=True)
-class HookUnsupported:
+class HookUnsupported(Refusal[TraceRefusal]):
     """A hook the tracer refused: ``kind``, ``where`` (``file.py:LINE``), why, and what to do."""
 
-    kind: TraceRefusal
-    where: str
-    explanation: str
-    hint: str = ""
-
-    def __str__(self) -> str:
-        text = f"{self.where}: {self.kind.value}: {self.explanation}"
-        return f"{text} ({self.hint})" if self.hint else text
+    __slots__ = ()
 
 
 class Refused(Exception):

@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from loom_cells import Cell
-from loom_sidefx import Source
+from loom_sidefx import Ref, Source
 from loom_sidefx import Value as Recorded
 
 
@@ -109,12 +109,17 @@ class SliceV(Value):
 
 @dataclass(eq=False)
 class ObjectV(Value):
-    """A pre-existing instance of a user class; attribute writes are buffered in ``attrs``."""
+    """A mutable object: a pre-existing instance of a user class, or a list, dict or set.
+
+    Its state is not held here: ``ref`` is its handle in the trace's
+    ``loom_sidefx`` log, which models its contents and attributes (lazily
+    snapshotted for a pre-existing ``obj``; ``obj`` is None for one the hook
+    created) and records its mutations.
+    """
 
     obj: Any
+    ref: Ref
     source: Source | None = None
-    attrs: dict[str, Value] = field(default_factory=dict)
-    deleted: set[str] = field(default_factory=set)
 
     @property
     def py_type(self) -> type:
@@ -123,10 +128,8 @@ class ObjectV(Value):
 
 @dataclass(eq=False)
 class ListV(ObjectV):
-    """A list (or list subclass). ``items`` is None until the contents are first read."""
+    """A list (or list subclass)."""
 
-    items: list[Value] | None = None
-    tail: list[Value] = field(default_factory=list)
     cls: type = list
 
     @property
@@ -150,10 +153,8 @@ class TupleV(Value):
 
 @dataclass(eq=False)
 class DictV(ObjectV):
-    """A dict (or subclass) keyed by constants; ``items`` is None until first read."""
+    """A dict (or subclass) keyed by constants."""
 
-    items: dict[Any, Value] | None = None
-    pending: dict[Any, Value] = field(default_factory=dict)
     cls: type = dict
 
     @property
@@ -163,9 +164,8 @@ class DictV(ObjectV):
 
 @dataclass(eq=False)
 class SetV(ObjectV):
-    """A set of constants; ``items`` is None until first read."""
+    """A set of constants."""
 
-    items: set[Any] | None = None
     cls: type = set
 
     @property

@@ -1,0 +1,281 @@
+"""A cache that trusts no writer: forged entries planted in the local directory and
+in a real redis-server on loopback are never handed out, so the pickle they carry
+never runs; keys rotate; namespaces keep tenants apart; no key, no remote trust."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import pathlib
+import pickle
+from pathlib import Path
+
+import pytest
+
+from loom_cache import (
+    MAGIC,
+    CacheConfig,
+    CacheKey,
+    Entry,
+    KeyComponent,
+    LocalStore,
+    RedisStore,
+    TieredStore,
+    encode_entry,
+    open_default_store,
+)
+from loom_cache._config import key_id
+
+KEY = b"fleet-key-0123456789abcdef-current"
+OLD_KEY = b"fleet-key-0123456789abcdef-previous"
+ATTACKER = b"attacker-key-0123456789abcdef"
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: a stand-in for arbitrary code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return (pathlib.Path.touch, (self.marker,))
+
+
+def _key(i: int) -> CacheKey:
+    return CacheKey("victim.py:forward", (KeyComponent("graph", f"{i:064x}", f"graph {i}"),))
+
+
+def _evil(i: int, marker: Path) -> Entry:
+    return Entry(_key(i), pickle.dumps(_Payload(marker)))
+
+
+def _resign_header(data: bytes, **changes: object) -> bytes:
+    """``data`` with its JSON header edited (the checksum stays valid, the MAC does not)."""
+    length = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 4], "little")
+    start = len(MAGIC) + 4
+    header = json.loads(data[start : start + length])
+    header.update(changes)
+    raw = json.dumps(header, sort_keys=True).encode()
+    return MAGIC + len(raw).to_bytes(4, "little") + raw + data[start + length :]
+
+
+def _forgeries(marker: Path, namespace: str = "") -> list[tuple[str, bytes]]:
+    """Every way we know to forge an entry without the fleet key, one digest each."""
+    out: list[tuple[str, bytes]] = []
+
+    def add(data: bytes) -> None:
+        out.append((_key(len(out)).digest, data))
+
+    add(encode_entry(_evil(0, marker), namespace=namespace))  # unsigned, valid sha256
+    add(encode_entry(_evil(1, marker), key=ATTACKER, namespace=namespace))  # another key
+    # Claims to be signed with the fleet key; the MAC is made up.
+    forged = encode_entry(_evil(2, marker), key=ATTACKER, namespace=namespace)
+    add(_resign_header(forged, signed_by=key_id(KEY)))
+    # A genuine signed entry whose payload was swapped and checksum recomputed.
+    genuine = encode_entry(Entry(_key(3), b"honest artifact"), key=KEY, namespace=namespace)
+    evil = pickle.dumps(_Payload(marker))
+    body = _resign_header(
+        genuine[: -32 - len(b"honest artifact")] + evil,
+        payload_bytes=len(evil),
+        payload_sha256=hashlib.sha256(evil).hexdigest(),
+    )
+    add(body + genuine[-32:])
+    # The signature stripped off, the header saying "unsigned".
+    signed = encode_entry(_evil(4, marker), key=KEY, namespace=namespace)
+    add(_resign_header(signed[:-32], signed_by=None))
+    # Signed with the attacker's key claiming the id of the previous key.
+    add(
+        _resign_header(
+            encode_entry(_evil(5, marker), key=ATTACKER, namespace=namespace),
+            signed_by=key_id(OLD_KEY),
+        )
+    )
+    return out
+
+
+def _load_all(store: LocalStore | RedisStore | TieredStore, digests: list[str]) -> int:
+    """What a reader does: look each digest up and unpickle what it gets."""
+    loaded = 0
+    for digest in digests:
+        found = store.lookup(digest)
+        if found.entry is not None:
+            pickle.loads(found.entry.payload)
+            loaded += 1
+    return loaded
+
+
+def _plant_local(store: LocalStore, forgeries: list[tuple[str, bytes]]) -> None:
+    for digest, data in forgeries:
+        path = store.path_of(digest)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def test_no_forged_local_entry_loads_with_a_key_set(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    marker = tmp_path / "pwned"
+    store = LocalStore(tmp_path / "cache", config=CacheConfig(keys=(KEY, OLD_KEY)))
+    forgeries = _forgeries(marker)
+    _plant_local(store, forgeries)
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    assert _load_all(store, [d for d, _ in forgeries]) == 0
+    assert not marker.exists()
+    reasons = [r.getMessage() for r in caplog.records]
+    assert len(reasons) == len(forgeries)  # each refusal is logged with its reason
+    assert any("unsigned entry refused" in m for m in reasons)
+    assert any("signature mismatch" in m for m in reasons)
+    assert any("does not hold" in m for m in reasons)
+    for digest, _ in forgeries:  # refused entries are removed
+        assert not store.path_of(digest).exists()
+
+
+def test_without_a_key_the_local_tier_trusts_its_own_directory(tmp_path: Path) -> None:
+    # The documented single-user trust model: no key, no check beyond integrity.
+    marker = tmp_path / "pwned"
+    store = LocalStore(tmp_path / "cache", config=CacheConfig())
+    store.put(_evil(0, marker))
+    assert _load_all(store, [_key(0).digest]) == 1 and marker.exists()
+
+
+def test_no_forged_remote_entry_loads_or_reaches_the_local_tier(
+    tmp_path: Path, redis_server: object
+) -> None:
+    marker = tmp_path / "pwned"
+    config = CacheConfig(keys=(KEY, OLD_KEY), namespace="team-a")
+    remote = RedisStore(redis_server.url, config=config)  # type: ignore[attr-defined]
+    forgeries = _forgeries(marker, namespace="team-a")
+    for digest, data in forgeries:
+        remote.put_raw(digest, data)
+    local = LocalStore(tmp_path / "cache", config=config)
+    store = TieredStore(local, remote)
+    assert _load_all(store, [d for d, _ in forgeries]) == 0
+    assert not marker.exists()
+    assert local.stats().entries == 0  # nothing forged was promoted
+    # And with Redis gone, still nothing: the local tier holds no copy to run.
+    assert _load_all(LocalStore(tmp_path / "cache", config=config), [d for d, _ in forgeries]) == 0
+    assert not marker.exists()
+
+
+def test_signed_remote_entries_load_and_are_promoted(tmp_path: Path, redis_server: object) -> None:
+    config = CacheConfig(keys=(KEY,))
+    writer = RedisStore(redis_server.url, config=config)  # type: ignore[attr-defined]
+    writer.put(Entry(_key(1), b"artifact"))
+    local = LocalStore(tmp_path, config=config)
+    found = TieredStore(local, RedisStore(redis_server.url, config=config)).lookup(_key(1).digest)  # type: ignore[attr-defined]
+    assert found.hit and found.verified and found.tier == "redis"
+    assert local.lookup(_key(1).digest).verified
+
+
+def test_keys_rotate_current_and_previous(tmp_path: Path) -> None:
+    old = LocalStore(tmp_path, config=CacheConfig(keys=(OLD_KEY,)))
+    old.put(Entry(_key(1), b"made under the old key"))
+    rotated = LocalStore(tmp_path, config=CacheConfig(keys=(KEY, OLD_KEY)))
+    assert rotated.lookup(_key(1).digest).verified  # the previous key still reads
+    rotated.put(Entry(_key(2), b"made under the new key"))  # written with the current key
+    assert LocalStore(tmp_path, config=CacheConfig(keys=(KEY,))).lookup(_key(2).digest).hit
+    retired = LocalStore(tmp_path, config=CacheConfig(keys=(KEY,)))
+    assert "does not hold" in retired.lookup(_key(1).digest).reason  # old key retired
+
+
+def test_tenants_sharing_one_redis_never_see_each_other(redis_server: object) -> None:
+    url = redis_server.url  # type: ignore[attr-defined]
+    a = RedisStore(url, config=CacheConfig(keys=(KEY,), namespace="team-a"))
+    b = RedisStore(url, config=CacheConfig(keys=(KEY,), namespace="team-b"))
+    plain = RedisStore(url, config=CacheConfig(keys=(KEY,)))
+    a.put(Entry(_key(1), b"team a's artifact"))
+    assert b.lookup(_key(1).digest).reason == "absent"
+    assert plain.lookup(_key(1).digest).reason == "absent"
+    # Copying a's bytes under b's name is refused: the namespace is signed in.
+    raw = a._client.get(a.prefix + _key(1).digest)
+    b.put_raw(_key(1).digest, raw)
+    assert "namespace" in b.lookup(_key(1).digest).reason
+    b.put(Entry(_key(2), b"b"))
+    assert b.clear() == 1 and plain.clear() == 0
+    assert a.lookup(_key(1).digest).hit  # clearing b never touches a
+
+
+def test_no_key_and_a_remote_tier_warns_and_turns_the_remote_tier_off(
+    tmp_path: Path,
+    redis_server: object,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    marker = tmp_path / "pwned"
+    url = redis_server.url  # type: ignore[attr-defined]
+    RedisStore(url, config=CacheConfig(remote_trust="unsigned")).put(_evil(1, marker))
+    monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE", url)
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    store = open_default_store()
+    assert store.remote is None
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "no cache key is set" in warning and "TORCHLOOM_CACHE_KEY" in warning
+    assert "TORCHLOOM_REMOTE_CACHE_TRUST=unsigned" in warning
+    assert _load_all(store, [_key(1).digest]) == 0 and not marker.exists()
+
+
+def test_unsigned_trust_is_an_explicit_opt_in_warned_once(
+    tmp_path: Path,
+    redis_server: object,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = redis_server.url  # type: ignore[attr-defined]
+    RedisStore(url, config=CacheConfig(remote_trust="unsigned")).put(Entry(_key(1), b"x"))
+    monkeypatch.setenv("TORCHLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE", url)
+    monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE_TRUST", "unsigned")
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    for _ in range(3):
+        store = open_default_store()
+    assert store.lookup(_key(1).digest).hit
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "serves unsigned entries" in warnings[0]
+
+
+def test_an_unsigned_remote_entry_is_never_signed_into_the_local_tier(
+    tmp_path: Path, redis_server: object
+) -> None:
+    url = redis_server.url  # type: ignore[attr-defined]
+    RedisStore(url, config=CacheConfig(remote_trust="unsigned")).put(Entry(_key(1), b"x"))
+    config = CacheConfig(keys=(KEY,), remote_trust="unsigned")
+    local = LocalStore(tmp_path, config=config)
+    found = TieredStore(local, RedisStore(url, config=config)).lookup(_key(1).digest)
+    assert found.hit and not found.verified
+    assert local.lookup(_key(1).digest).reason == "absent"
+
+
+def test_key_file_current_then_previous_and_no_secret_in_repr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_bytes(KEY + b"\n" + OLD_KEY + b"\n")
+    monkeypatch.setenv("TORCHLOOM_CACHE_KEY_FILE", str(key_file))
+    monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE", "redis://:pw-secret@127.0.0.1:1/0")
+    config = CacheConfig.from_env()
+    assert config.keys == (KEY, OLD_KEY)
+    for text in (repr(config), config.describe()):
+        assert KEY.decode() not in text and "pw-secret" not in text
+
+
+def test_a_short_key_is_refused_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TORCHLOOM_CACHE_KEY", "short")
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    assert CacheConfig.from_env().keys == ()
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "at least 16" in warning and "short" not in warning
+
+
+def test_config_refuses_bad_values_given_in_code(tmp_path: Path) -> None:
+    from loom_cache import CacheConfigError
+
+    with pytest.raises(CacheConfigError, match="namespace"):
+        CacheConfig(namespace="a b")
+    with pytest.raises(CacheConfigError, match="16 bytes"):
+        CacheConfig(keys=(b"short",))
+    assert dataclasses.replace(CacheConfig(), namespace="ok-1").namespace == "ok-1"
