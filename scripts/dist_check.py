@@ -13,7 +13,8 @@ Configurations (``--config``, several allowed; default: all):
   ``torch.float8_e4m3fn`` with a per-tensor scale, unpack casts back), against
   eager FSDP2 under the same hooks. loom compiles the hooks into its graphs
   (report area ``hooks``: ``placed``). Losses and gradients must agree within
-  fp8 tolerance; on CUDA each rank's peak memory is reported against eager's.
+  fp8 tolerance; on CUDA each rank's peak memory is reported against eager's
+  with the hooks (``eager_peaks``) and without them (``eager_nohooks_peaks``).
 - ``fsdp2-ca-hf``: a Hugging Face ``LlamaForCausalLM`` built from a config
   (random weights, nothing downloaded), each decoder layer and the root
   sharded, ``skip_fsdp_hooks=False`` and compiled autograd on (the "traced-ca"
@@ -33,7 +34,8 @@ Configurations (``--config``, several allowed; default: all):
   ranks sharing one ``TORCHLOOM_CACHE_DIR``. Each rank's cache entries from
   ``torchloom.report()`` are printed; with ``--expect-hits`` (the second
   ``torchrun`` on the same directory) every rank must hit and none may miss.
-- ``fsdp2-cudagraphs`` (GPU only): FSDP2 with ``skip_fsdp_hooks=False`` and
+- ``fsdp2-cudagraphs`` (GPU only): FSDP2 with ``skip_fsdp_hooks=False``,
+  compiled autograd on (the backward graph holds the collectives) and
   ``cudagraphs=True``. Either loom captures and the steps match eager, or the
   segments it leaves uncaptured name the collective (skip kind
   ``COLLECTIVE``). On CPU the configuration reports ``SKIP`` (gloo has no CUDA
@@ -247,6 +249,13 @@ def run_fsdp2_hooks(args: argparse.Namespace, device: torch.device) -> dict[str,
 
             torchloom.reset()
     report = _report()
+    nohooks_peaks: list[Any] = [None] * dist.get_world_size()
+    if device.type == "cuda":  # what the fp8 hooks save: eager FSDP2 without them
+        model = _transformer(args, device)
+        model = _sharded(model, _transformer_blocks(model))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        plain = _steps(model, lambda x, m=model: m(x).square().mean(), inputs, opt, device)
+        nohooks_peaks = _gather(plain["peak"])
     cmp = _compare(sides["eager"], sides["loom"])
     placed = report["entries"].get("hooks", {}).get("placed", 0)
     peaks, eager_peaks = _gather(sides["loom"]["peak"]), _gather(sides["eager"]["peak"])
@@ -262,6 +271,7 @@ def run_fsdp2_hooks(args: argparse.Namespace, device: torch.device) -> dict[str,
         "hooks_placed_graphs": placed,
         "peaks": peaks,
         "eager_peaks": eager_peaks,
+        "eager_nohooks_peaks": nohooks_peaks,
         "eager_losses": sides["eager"]["losses"],
         "losses": sides["loom"]["losses"],
         **cmp,
@@ -495,7 +505,8 @@ def run_cache(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
 
 def run_fsdp2_cudagraphs(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """GPU only: FSDP2 with its hooks traced into loom's graphs and CUDA graphs on."""
+    """GPU only: FSDP2 traced with compiled autograd (collectives in the backward graph)
+    and CUDA graphs on: captured segments, or skips of kind ``collective``."""
     if device.type != "cuda":
         return {"verdict": "SKIP", "reason": "GPU only: CUDA graphs need CUDA devices and NCCL"}
     inputs = _inputs(args, device)
@@ -513,7 +524,10 @@ def run_fsdp2_cudagraphs(args: argparse.Namespace, device: torch.device) -> dict
             torchloom.reset()
             continue
         kwargs = _compile_kwargs(args, cudagraphs=True)
-        with _dynamo(skip_fsdp_hooks=False):
+        # NOTE: compiled autograd puts FSDP2's all-gathers and reduce-scatters into
+        # the backward graph, so the planner meets the collectives themselves.
+        ca = torch.compile(fullgraph=True, **kwargs)
+        with _dynamo(skip_fsdp_hooks=False, compiled_autograd=ca):
             run = torch.compile(model, **kwargs)
             sides[side] = _steps(model, lambda x, r=run: r(x).square().mean(), inputs, opt, device)
     report = _report()

@@ -26,6 +26,12 @@ Configurations (``--config``, default: all):
   "Traceable FSDP2" configuration, the one whose graphs carry the
   ``resize_(full) -> fsdp.copy_ -> resize_(0)`` chains loom_resize removes.
 
+On CPU (``--device cpu``, gloo) ``skipped`` and ``traced`` pass; the ``-ca``
+configurations fail in Dynamo (torch 2.11): FSDP2's backward hook enters
+``device_handle.stream(...)``, ``torch.cpu.Stream`` on CPU, which Dynamo cannot
+trace (see docs/distributed.md). ``scripts/dist_check.py`` checks loom's
+features (saved-tensor hooks, DDP, the cache, CUDA graphs) under FSDP2 and DDP.
+
 The process exits 0 when every configuration it ran passed. A configuration
 that crashes the process (not an exception) stops the run: its name is the
 last "running" line; run the others one by one with ``--config``.
