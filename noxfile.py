@@ -89,8 +89,10 @@ def _install_release(session: nox.Session, torch_version: str, *extra: str) -> N
     """torch ``torch_version`` from the index, the test dependencies and every
     workspace member (editable, without their dependencies: torch is the one given)."""
     members = [arg for folder in PACKAGES for arg in ("-e", f"packages/{folder}")]
-    session.run_install("uv", "pip", "install", f"torch=={torch_version}", *TEST_DEPS, *extra)
-    session.run_install("uv", "pip", "install", "--no-deps", *members)
+    # --no-config: the workspace's constraint-dependencies pin torch to the locked 2.11.0.
+    install = ("uv", "pip", "install", "--no-config")
+    session.run_install(*install, f"torch=={torch_version}", *TEST_DEPS, *extra)
+    session.run_install(*install, "--no-deps", *members)
     session.run("python", "-c", "import torch, torchloom; print('torch', torch.__version__)")
 
 
