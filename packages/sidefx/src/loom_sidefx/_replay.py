@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._codegen import Emitter
+from ._kinds import BASE_OF_KIND
 from ._ops import (
     KEYED_OPS,
     OP_ARITY,
@@ -219,20 +220,10 @@ def _check_value(value: Value, defined: dict[Ref, ObjKind], num_slots: int) -> l
     return problems
 
 
-_NEW_BASES = {
-    ObjKind.LIST: list,
-    ObjKind.DICT: dict,
-    ObjKind.SET: set,
-    ObjKind.CELL: types.CellType,
-    ObjKind.FUNCTION: types.FunctionType,
-    ObjKind.OBJECT: object,
-}
-
-
 def _check_new(n: NewObject) -> list[str]:
     problems = []
     kind = n.ref.kind
-    if not isinstance(n.cls, type) or not issubclass(n.cls, _NEW_BASES[kind]):
+    if not isinstance(n.cls, type) or not issubclass(n.cls, BASE_OF_KIND[kind]):
         problems.append(f"new {kind.value} {n.ref} has class {n.cls!r}")
     if (kind is ObjKind.FUNCTION) != (n.function is not None):
         problems.append(f"new {kind.value} {n.ref} function spec mismatch")

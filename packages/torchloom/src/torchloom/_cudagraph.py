@@ -211,6 +211,7 @@ def _report_plan(
 ) -> None:
     """The plan's report entries, then (when it runs on a device) its skips logged,
     counted and raised under or_error."""
+    record.add_plan(f"cudagraph.{plan.graph.rsplit(' ', 1)[-1]}", plan)  # "cudagraph.forward"
     for seg in plan.segments:
         state = "captured" if seg.captured else "uncaptured"
         reasons = "; ".join(str(r) for r in seg.reasons)
@@ -227,7 +228,9 @@ def _report_plan(
             reasons=tuple(r.kind.value for r in seg.reasons),
         )
     for reason in plan.skips():
-        record.add_entry("cudagraph", "skip", f"{plan.graph}: {reason}", kind_=reason.kind.value)
+        record.add_entry(
+            "cudagraph", "skip", f"{plan.graph}: {reason}", kind_=reason.kind.value, refusal=reason
+        )
     if outcome == "disabled":
         record.add_entry("cudagraph", "disabled", f"{plan.graph}: no CUDA device available")
     elif outcome in ("captured", "uncaptured"):

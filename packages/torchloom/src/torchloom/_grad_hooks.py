@@ -41,6 +41,7 @@ def inline_grad_hooks(
         return gm
     table = compat.inductor_decompositions() if options.codegen == "inductor" else None
     inlining = loom_hops.inline_grad_hooks(gm, table)
+    record.add_plan("grad_hooks", inlining)
     for site in inlining.inlined:
         record.add_entry(
             "grad_hooks", "inlined", f"grad_hook site {site}: traced and inlined", site=site

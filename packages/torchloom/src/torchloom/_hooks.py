@@ -189,7 +189,11 @@ class HookPlacement:
 
 def _refuse(snapshot: Snapshot, reason: loom_hops.Unsupported) -> loom_hops.Unsupported:
     snapshot.record.add_entry(
-        "hooks", "refused", f"saved_tensors_hooks stay eager: {reason}", kind_=reason.kind.value
+        "hooks",
+        "refused",
+        f"saved_tensors_hooks stay eager: {reason}",
+        kind_=reason.kind.value,
+        refusal=reason,
     )
     if snapshot.options.strict:
         raise LoomRefusal(
@@ -271,6 +275,7 @@ def place_hooks(
     placement = place(fw_gm, bw_gm, hooks=plan.graphs, scope=scope)
     if isinstance(placement, loom_hops.Unsupported):
         return HookPlacement(refused=_refuse(snapshot, placement))
+    record.add_plan("hooks.placement", placement)
     packed = ", ".join(f"{p.name} after {p.pack_after}" for p in placement.packed)
     record.add_entry(
         "hooks",

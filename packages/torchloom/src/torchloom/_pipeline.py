@@ -5,6 +5,7 @@
     compile_graph(gm, example_inputs, options)
      ├─ snapshot          options, active saved-tensor hooks, grad_hook sites     → Snapshot
      ├─ prepare           hooks traced, resize plan, cache key                    → Prepared
+     ├─ compile_context   the CUDA-graph session; Dynamo's hook inlining off
      ├─ serve_from_cache  a hit: AOTAutograd's stored result, nothing traced     → Compiled
      │  or compile_cold   AOTAutograd with loom's partition step; per aten graph:
      │                      loom's passes, then codegen chosen (CUDA-graph segments
@@ -12,7 +13,7 @@
      └─ wrap_runtime      resize storage guard, hook guards and pack effects      → callable
 
 Each step takes and returns frozen values; the graph's report builder is the one
-thing every step writes to. Every step is timed into the graph's record behind
+thing every step writes to, and it keeps the plans (``GraphRecord.plan``). Every step is timed into the graph's record behind
 :func:`torchloom.report` with its own time and owner. A step refuses a graph by
 raising :class:`~torchloom.LoomRefusal`: the graph then runs eagerly with the
 reason in the log and the report, or the refusal is raised in strict mode.
@@ -252,6 +253,9 @@ def prepare(parts: Pipeline, snapshot: Snapshot) -> Prepared:
             "cudagraph": cudagraph_settings(options, parts.capturer, parts.cudagraph_device)
         }
         key = cache_key(snapshot, hooks, settings, parts.describe())
+    record.add_plan("hooks", hooks)
+    record.add_plan("resize", resize)
+    record.add_plan("cache", key)
     session = CudagraphSession(snapshot.graph_id, record, parts.capturer, parts.cudagraph_device)
     return Prepared(snapshot, hooks, resize, key, session)
 
@@ -609,7 +613,7 @@ def _eager_fallback(
     record: GraphRecordBuilder, gm: GraphModule, reason: Unsupported
 ) -> Callable[..., Any]:
     record.refuse(reason)
-    record.add_entry("pipeline", "fallback", str(reason), kind_=reason.kind.value)
+    record.add_entry("pipeline", "fallback", str(reason), kind_=reason.kind.value, refusal=reason)
     if reason.kind is RefusalKind.NO_TENSOR_WORK:
         log.debug("graph %d runs eagerly: %s", record.graph_id, reason)
     else:

@@ -3,8 +3,11 @@
 Each Dynamo graph handed to the backend gets one :class:`GraphRecord`: an id,
 its inputs' metadata, the pipeline's timed steps with their durations, and
 entries that steps add (hooks inlined or refused, resize passes, cache
-hits and misses, CUDA-graph segments), and the typed refusal of a graph that
-runs eagerly. Text is rendered only by :meth:`Report.format`. Records are built by a mutable
+hits and misses, CUDA-graph segments; a refusal entry keeps the package's
+refusal as typed data in ``entry.refusal``), the steps' plans and pass results as the frozen
+values the packages made (:meth:`GraphRecord.plan`: ``"hooks"``, ``"resize"``,
+``"cache"``, ``"cudagraph.forward"``, ...), and the typed refusal of a graph
+that runs eagerly. Text is rendered only by :meth:`Report.format`. Records are built by a mutable
 :class:`GraphRecordBuilder` while compilation (and the lazily compiled
 backward) runs; :func:`report` returns frozen snapshots.
 """
@@ -19,6 +22,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
+from loom_sidefx import Refusal
 from torchloom._errors import Unsupported
 
 __all__ = [
@@ -79,6 +83,9 @@ class ReportEntry:
     kind: str
     message: str
     data: tuple[tuple[str, Any], ...] = ()
+    #: The package's own refusal this entry reports (a refused hook, a left-alone
+    #: resize, a CUDA-graph skip, the fallback), as typed data; ``message`` is its text.
+    refusal: Refusal[Any] | None = dataclasses.field(default=None, compare=False)
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict(self.data).get(key, default)
@@ -99,9 +106,25 @@ class GraphRecord:
     graphs: tuple[tuple[str, str], ...]  # (kind, readable code) of each graph compiled
     #: The refusal behind ``fallback``, as typed data (its ``cause``: the package's own).
     refusal: Unsupported | None = None
+    #: The steps' plans and pass results by name, as the packages' frozen values.
+    plans: tuple[tuple[str, Any], ...] = ()
 
     def stage(self, name: str) -> StageRecord | None:
         return next((s for s in self.stages if s.name == name), None)
+
+    def plan(self, name: str) -> Any:
+        """The plan or pass result a step recorded under ``name``, or ``None``.
+
+        ``"hooks"`` (``HooksPlan``), ``"resize"`` (``loom_resize.ResizePlan``),
+        ``"cache"`` (``loom_cache.CacheKey``, or the ``CacheBypass`` that says why
+        not), ``"cudagraph.<graph>"`` (``loom_cudagraph.PartitionPlan``),
+        ``"resize.<graph>.<pass>"`` (``loom_resize.PassResult``), ``"hooks.placement"``
+        (``loom_hops.Placement``), ``"grad_hooks"`` (``loom_hops.GradHookInlining``)::
+
+            plan = torchloom.report()[0].plan("cudagraph.forward")
+            plan.captured_segments
+        """
+        return next((value for key, value in self.plans if key == name), None)
 
     @property
     def loom_seconds(self) -> float:
@@ -171,6 +194,7 @@ class GraphRecordBuilder:
         self._entries: list[ReportEntry] = []
         self._graphs: list[tuple[str, str]] = []
         self.refusal: Unsupported | None = None
+        self._plans: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._open: list[float] = []  # time spent in sections nested in each open one
 
@@ -200,9 +224,25 @@ class GraphRecordBuilder:
                 self._open[-1] += total
             self.add_stage(name, max(total - nested, 0.0), detail, owner)
 
-    def add_entry(self, area: str, kind: str, message: str, **data: Any) -> None:
+    def add_entry(
+        self,
+        area: str,
+        kind: str,
+        message: str,
+        *,
+        refusal: Refusal[Any] | None = None,
+        **data: Any,
+    ) -> None:
+        """Record a fact; ``data`` holds plain values, ``refusal`` the typed refusal."""
+        entry = ReportEntry(area, kind, message, tuple(sorted(data.items())), refusal)
         with self._lock:
-            self._entries.append(ReportEntry(area, kind, message, tuple(sorted(data.items()))))
+            self._entries.append(entry)
+
+    def add_plan(self, name: str, value: Any) -> None:
+        """Keep a step's plan or pass result (a frozen value) under ``name``; the last wins."""
+        with self._lock:
+            self._plans.pop(name, None)
+            self._plans[name] = value
 
     def add_graph(self, kind: str, code: str) -> None:
         with self._lock:
@@ -220,6 +260,7 @@ class GraphRecordBuilder:
                 self.fallback,
                 tuple(self._graphs),
                 self.refusal,
+                tuple(self._plans.items()),
             )
 
 

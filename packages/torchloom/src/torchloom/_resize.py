@@ -31,21 +31,31 @@ __all__ = ["guard_storage_sizes", "plan_resizes", "resize_passes", "rewrite_fill
 log = logging.getLogger("torchloom.resize")
 
 
-def _record(record: GraphRecordBuilder, graph: str, result: loom_resize.PassResult) -> None:
+def _record(
+    record: GraphRecordBuilder, graph: str, name: str, result: loom_resize.PassResult
+) -> None:
+    record.add_plan(f"resize.{graph}.{name}", result)
     for change in result.changes:
         record.add_entry(
             "resize", change.pass_name, f"{graph}: {change.where}: {change.what}", graph=graph
         )
     for reason in result.left_alone:
         record.add_entry(
-            "resize", "left_alone", f"{graph}: {reason}", graph=graph, kind_=reason.kind.value
+            "resize",
+            "left_alone",
+            f"{graph}: {reason}",
+            graph=graph,
+            kind_=reason.kind.value,
+            refusal=reason,
         )
 
 
 def _refusal(
     record: GraphRecordBuilder, reason: loom_resize.Unsupported, graph: str
 ) -> LoomRefusal:
-    record.add_entry("resize", "refused", f"{graph}: {reason}", kind_=reason.kind.value)
+    record.add_entry(
+        "resize", "refused", f"{graph}: {reason}", kind_=reason.kind.value, refusal=reason
+    )
     return LoomRefusal(
         Unsupported(
             RefusalKind.STAGE_REFUSED,
@@ -79,7 +89,7 @@ def rewrite_fills(snapshot: Snapshot, gm: GraphModule, plan: loom_resize.ResizeP
         raise _refusal(snapshot.record, refused.reason, "dynamo") from None
     for info in plan.inputs:
         snapshot.record.add_entry("resize", "input", f"dynamo: {info}", case=info.case.value)
-    _record(snapshot.record, "dynamo", result)
+    _record(snapshot.record, "dynamo", "rewrite_fills_as_fsdp_copy", result)
     return result.graph_module
 
 
@@ -90,12 +100,12 @@ def resize_passes(
     try:
         if options.resize_remove_chains:
             result = loom_resize.remove_resize_copy_resize(gm)
-            _record(record, kind.value, result)
+            _record(record, kind.value, "remove_resize_copy_resize", result)
             gm = result.graph_module
         result = loom_resize.move_shrinks_after_last_use(gm)
     except loom_resize.ResizeRefused as refused:
         raise _refusal(record, refused.reason, kind.value) from None
-    _record(record, kind.value, result)
+    _record(record, kind.value, "move_shrinks_after_last_use", result)
     return result.graph_module
 
 

@@ -16,7 +16,7 @@ import contextlib
 import operator
 import types
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx
@@ -82,9 +82,6 @@ _CONST_TYPES: tuple[type, ...] = (
     type(Ellipsis),
 )
 
-# Modules whose attributes are treated as constants (no guard), like Dynamo does.
-_CONSTANT_MODULES = ("torch", "math", "operator", "builtins", "functools", "itertools")
-
 
 def is_const(obj: object) -> bool:
     """Immutable data that can be baked into a trace (after a guard if it came from a source)."""
@@ -115,10 +112,6 @@ def operand(ctx: TraceContext, v: Value) -> Any:
 def slot(cls: type, name: str) -> Any:
     """``cls.name`` looked up as an untyped value (for comparing special methods)."""
     return getattr(cls, name, None)
-
-
-def _is_constant_module(mod: types.ModuleType) -> bool:
-    return mod.__name__.split(".")[0] in _CONSTANT_MODULES
 
 
 def globals_source(namespace: dict[str, Any]) -> ObjectSource:
@@ -202,6 +195,9 @@ def side_effect_refusal(exc: SideEffectRefused) -> Refused:
     refused = refuse(kind, u.explanation, u.hint)
     refused.where = u.where or None
     return refused
+
+
+_NewT = TypeVar("_NewT", bound=ObjectV)
 
 
 class TraceContext:
@@ -423,7 +419,7 @@ class TraceContext:
             return self.wrap(se.live_object(value), se.source_of(value) or source)
         return self.wrap(concrete(value), source)
 
-    def _new(self, v: ObjectV) -> ObjectV:
+    def _new(self, v: _NewT) -> _NewT:
         self.new_values[v.ref] = v
         return v
 
@@ -431,19 +427,19 @@ class TraceContext:
         """A list the hook creates."""
         with self.log() as se:
             ref = se.track_new(ObjKind.LIST, [Staged(x) for x in items])
-        return self._new(ListV(None, ref))  # type: ignore[return-value]
+        return self._new(ListV(None, ref))
 
     def new_dict(self, items: Iterable[tuple[Any, Value]] = ()) -> DictV:
         """A dict the hook creates (constant keys)."""
         with self.log() as se:
             ref = se.track_new(ObjKind.DICT, [(k, Staged(x)) for k, x in items])
-        return self._new(DictV(None, ref))  # type: ignore[return-value]
+        return self._new(DictV(None, ref))
 
     def new_set(self, items: Iterable[Any] = ()) -> SetV:
         """A set the hook creates (constant elements)."""
         with self.log() as se:
             ref = se.track_new(ObjKind.SET, items)
-        return self._new(SetV(None, ref))  # type: ignore[return-value]
+        return self._new(SetV(None, ref))
 
     def list_items(self, v: ListV) -> list[Value]:
         """The list's current items (a pre-existing list's length is guarded)."""
