@@ -477,12 +477,15 @@ def _schedule_probe(reorder: bool) -> dict[str, Any]:  # pragma: no cover (subpr
         pos = {n: i for i, n in enumerate(self.nodes)}
         outs = set(V.graph.get_output_names())
         delta = [0] * (len(self.nodes) + 2)
+        # Inductor's sizevars.size_hint became optimization_hint in torch 2.13.
+        sizevars = V.graph.sizevars
+        hint = getattr(sizevars, "size_hint", None) or sizevars.optimization_hint
         for n in self.nodes:
             for buf in n.get_outputs():
                 layout = buf.node.get_layout()
                 if getattr(layout, "device", None) != torch.device("cuda", 0):
                     continue
-                size = V.graph.sizevars.size_hint(layout.storage_size()) * layout.dtype.itemsize
+                size = hint(layout.storage_size()) * layout.dtype.itemsize
                 users = [pos[u.node] for u in buf.users if u.node in pos]
                 end = len(self.nodes) if buf.get_name() in outs else max(users, default=pos[n])
                 delta[pos[n]] += size
