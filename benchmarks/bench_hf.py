@@ -246,8 +246,10 @@ def run_workload(
         model = copy.deepcopy(base)
         models.append(model)
         row: dict[str, Any] = {"workload": f"{model_name}_{w.name}", "variant": v.name}
-        before = _reserved(device)
+        # NOTE: after the reset, which drops the previous variant's compiled code
+        # (and with it any CUDA-graph pool it held).
         _reset()
+        before = _reserved(device)
         with fresh_inductor_cache():
             try:
                 run = _runner(w, model, v.wrap(w.fn), ids)
