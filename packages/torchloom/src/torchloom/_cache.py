@@ -33,6 +33,7 @@ from torch.fx import GraphModule
 import loom_cache
 from torchloom import _torch_compat as compat
 from torchloom._aot_cache import AotCacheSlot, route_lazy_backward_save
+from torchloom._distributions import LOOM_DISTRIBUTIONS
 from torchloom._hooks import HooksPlan
 from torchloom._report import GraphRecordBuilder
 from torchloom._values import GraphKind, Snapshot
@@ -55,15 +56,6 @@ __all__ = [
 log = logging.getLogger("torchloom.cache")
 
 ARTIFACT_FORMAT: Final = 3
-_LOOM_DISTRIBUTIONS: Final = (
-    "torchloom",
-    "torchloom-cache",
-    "torchloom-hops",
-    "torchloom-resize",
-    "torchloom-cudagraph",
-    "torchloom-sidefx",
-    "torchloom-cells",
-)
 _LOOM_MODULES: Final = (
     "torchloom",
     "loom_cache",
@@ -108,7 +100,7 @@ def _versions(pipeline: Sequence[str] = (), modules: Sequence[str] = _LOOM_MODUL
     extra parts (:meth:`Pipeline.describe`): a pipeline with other passes never
     shares an entry."""
     parts = [f"part={p}" for p in pipeline]
-    for dist in _LOOM_DISTRIBUTIONS:
+    for dist in LOOM_DISTRIBUTIONS:
         try:
             parts.append(f"{dist}={importlib.metadata.version(dist)}")
         except importlib.metadata.PackageNotFoundError:

@@ -16,17 +16,8 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
-from typing import Final
 
-_DISTRIBUTIONS: Final = (
-    "torchloom",
-    "torchloom-cache",
-    "torchloom-hops",
-    "torchloom-resize",
-    "torchloom-cudagraph",
-    "torchloom-sidefx",
-    "torchloom-cells",
-)
+from torchloom._distributions import LOOM_DISTRIBUTIONS
 
 __all__ = ["main"]
 
@@ -75,7 +66,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _version() -> str:
     parts = []
-    for dist in _DISTRIBUTIONS:
+    for dist in LOOM_DISTRIBUTIONS:
         try:
             parts.append(f"{dist} {importlib.metadata.version(dist)}")
         except importlib.metadata.PackageNotFoundError:
