@@ -141,13 +141,18 @@ def _dynamo(skip_fsdp_hooks: bool, compiled_autograd: Any = None) -> Iterator[No
     import torch._dynamo.compiled_autograd as ca
 
     torch._dynamo.reset()
-    old = torch._dynamo.config.skip_fsdp_hooks
-    torch._dynamo.config.skip_fsdp_hooks = skip_fsdp_hooks
+    # NOTE: torch 2.15 removed the switch (Dynamo no longer offers to skip FSDP2's
+    # hooks); where it is gone the configuration runs with the release's behaviour.
+    has_switch = hasattr(torch._dynamo.config, "skip_fsdp_hooks")
+    old = torch._dynamo.config.skip_fsdp_hooks if has_switch else None
+    if has_switch:
+        torch._dynamo.config.skip_fsdp_hooks = skip_fsdp_hooks
     try:
         with ca._enable(compiled_autograd) if compiled_autograd else contextlib.nullcontext():
             yield
     finally:
-        torch._dynamo.config.skip_fsdp_hooks = old
+        if has_switch:
+            torch._dynamo.config.skip_fsdp_hooks = old
         torch._dynamo.reset()
 
 
@@ -287,6 +292,9 @@ def _transformer_blocks(model: nn.Module) -> Any:
 #: enters ``device_handle.stream(...)``, and on CPU that is ``torch.cpu.Stream``,
 #: a plain Python class Dynamo cannot put in a graph.
 CPU_CA_REFUSAL = "UserDefinedObjectVariable(Stream)"
+#: torch 2.15 (no ``skip_fsdp_hooks``): FSDP2's hooks are wrapped in
+#: ``torch._dynamo.disable(reason="skipping FSDP hooks")``, which compiled autograd refuses.
+SKIPPED_HOOKS_REFUSAL = "skipping FSDP hooks"
 
 
 def _hf_run(
@@ -336,6 +344,18 @@ def run_fsdp2_ca_hf(args: argparse.Namespace, device: torch.device) -> dict[str,
     try:
         return _hf_run(args, device, compiled_autograd=True)
     except Exception as exc:
+        if SKIPPED_HOOKS_REFUSAL in str(exc):
+            return {
+                "verdict": "UNSUPPORTED",
+                "reason": (
+                    f"torch {torch.__version__} has no traceable FSDP2: FSDP2 wraps its hooks "
+                    f"in torch._dynamo.disable (reason {SKIPPED_HOOKS_REFUSAL!r}) and "
+                    "torch._dynamo.config.skip_fsdp_hooks is gone, so compiled autograd "
+                    "refuses the backward's FSDP2 pre-hook (PyTorch's refusal; aot_eager "
+                    "fails the same way)"
+                ),
+                "error": _short_error(exc),
+            }
         if device.type != "cpu" or CPU_CA_REFUSAL not in str(exc):
             raise
         return {

@@ -111,8 +111,11 @@ def _config(name: str | None, options: dict[str, Any]) -> Iterator[Callable[[nn.
     if name is None:
         yield lambda m: m
         return
-    old = torch._dynamo.config.skip_fsdp_hooks
-    torch._dynamo.config.skip_fsdp_hooks = name.startswith("skipped")
+    # NOTE: torch 2.15 removed the switch; there the release's behaviour applies.
+    has_switch = hasattr(torch._dynamo.config, "skip_fsdp_hooks")
+    old = torch._dynamo.config.skip_fsdp_hooks if has_switch else None
+    if has_switch:
+        torch._dynamo.config.skip_fsdp_hooks = name.startswith("skipped")
     try:
         ctx = (
             ca._enable(torch.compile(backend="loom", options=options, fullgraph=True))
@@ -122,7 +125,8 @@ def _config(name: str | None, options: dict[str, Any]) -> Iterator[Callable[[nn.
         with ctx:
             yield lambda m: torch.compile(m, backend="loom", options=options)
     finally:
-        torch._dynamo.config.skip_fsdp_hooks = old
+        if has_switch:
+            torch._dynamo.config.skip_fsdp_hooks = old
         torch._dynamo.reset()
 
 

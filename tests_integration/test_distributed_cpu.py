@@ -105,7 +105,10 @@ def test_fsdp2_with_compiled_autograd_is_refused_by_dynamo_on_cpu(
 ) -> None:
     r = cpu_results["fsdp2-ca-hf"]
     assert r["verdict"] == "UNSUPPORTED", r
-    assert "torch.cpu.Stream" in r["reason"] and "Stream" in r["error"]
+    if hasattr(torch._dynamo.config, "skip_fsdp_hooks"):  # 2.11 to 2.14: the CPU stream
+        assert "torch.cpu.Stream" in r["reason"] and "Stream" in r["error"]
+    else:  # 2.15: FSDP2's hooks are not traceable on any device
+        assert "skipping FSDP hooks" in r["reason"] and "skipping FSDP hooks" in r["error"]
 
 
 def test_ddp_gives_loom_one_graph_per_bucket_and_matches_eager_ddp(
