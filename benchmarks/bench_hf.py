@@ -340,6 +340,11 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models", default="llama,gpt2", help="comma-separated subset of: llama, gpt2"
     )
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated subset of: " + ", ".join(v.name for v in VARIANTS),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     if set(models) - set(MODELS):
         raise SystemExit(f"unknown models: {sorted(set(models) - set(MODELS))}")
     variants = tuple(v for v in VARIANTS if device.type == "cuda" or not v.cuda_only)
+    if args.variants is not None:
+        picked = set(args.variants.split(","))
+        if picked - {v.name for v in VARIANTS}:
+            raise SystemExit(f"unknown variants: {sorted(picked - {v.name for v in VARIANTS})}")
+        variants = tuple(v for v in variants if v.name in picked)
     print(f"Hugging Face {models} benchmark on {device} with {size}, {args.iters} iterations")
     _warm_process(device)
     rows: list[dict[str, Any]] = []

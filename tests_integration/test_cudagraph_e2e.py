@@ -314,3 +314,80 @@ def test_report_shows_segments_recordings_and_pool_bytes() -> None:
     assert seg.captured and seg.recordings >= 1 and seg.replays >= 2
     assert "segments" in runtime.format()
     assert _segments() == [(_segments()[0][0], True)]
+
+
+# --- memory: the backward reuses what the forward's outputs leave behind ------------------
+
+
+def _wide_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(6):
+        layers += [nn.Linear(1024, 1024), nn.GELU()]
+    return nn.Sequential(*layers).to(CUDA)
+
+
+def _reserved_by_training(wrap: Callable[[nn.Module], Any]) -> tuple[int, list[torch.Tensor]]:
+    """Bytes reserved after four training steps beyond what the model held before."""
+    import gc
+
+    model = _wide_mlp()
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    step = wrap(model)
+    x = torch.randn(2048, 1024, device=CUDA, generator=None)
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        step(x).pow(2).mean().backward()
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return torch.cuda.memory_reserved() - before, grads
+
+
+def test_backward_recording_reuses_the_memory_of_saved_activations() -> None:
+    torch.manual_seed(0)
+    loom_bytes, loom_grads = _reserved_by_training(_compile)
+    by_graph = {r.graph: r.pool_bytes for r in cudagraph_stats()[_first_runtime:]}
+    fw = sum(b for g, b in by_graph.items() if "forward" in g)
+    bw = sum(b for g, b in by_graph.items() if "backward" in g)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ro_bytes, ro_grads = _reserved_by_training(lambda m: torch.compile(m, mode="reduce-overhead"))
+    torch._dynamo.reset()
+    print(
+        f"loom {loom_bytes / 2**20:.1f} MiB (forward pool {fw / 2**20:.1f}, backward "
+        f"{bw / 2**20:.1f}); reduce-overhead {ro_bytes / 2**20:.1f} MiB"
+    )
+    for a, b in zip(loom_grads, ro_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # six 8 MiB activations (and six GELU inputs) are saved; without reuse the
+    # backward needs its gradients' memory anew (24 MiB of weight gradients alone)
+    assert bw <= 0.25 * fw
+    assert loom_bytes <= 1.05 * ro_bytes + 2**21
+
+
+def test_output_dropped_at_recording_but_held_later_is_not_overwritten() -> None:
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(64, 256).to(CUDA), nn.Linear(256, 8).to(CUDA)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = lin1(x).relu()
+        return lin2(h), h
+
+    compiled = _compile(f)
+    for _ in range(3):  # warm-up, recording, replay: the activation dropped each time
+        y, h = compiled(torch.randn(32, 64, device=CUDA))
+        del h
+        y.sum().backward()
+    x = torch.randn(32, 64, device=CUDA)
+    y, h = compiled(x)  # now held across the backward
+    want = lin1(x).relu().detach().clone()
+    y.sum().backward()
+    torch.testing.assert_close(h, want)
+    y2, _ = compiled(torch.randn(32, 64, device=CUDA))
+    y2.sum().backward()
+    torch.testing.assert_close(h, want)  # still intact after one more step

@@ -485,3 +485,130 @@ def test_suspended_segments_run_their_code_without_warm_up_or_recording() -> Non
     for _ in range(3):  # after the block: warm-up, record, replay as usual
         call(run, torch.randn(3))
     assert cap.captures == 1 and cap.replays == 2
+
+
+# --- outputs' memory goes back to the pool when the originals die --------------------------
+
+
+def _segment(run: CudagraphRuntime) -> Any:
+    return run._steps[0][0]  # type: ignore[attr-defined]
+
+
+def _shared_pair() -> tuple[CudagraphRuntime, CudagraphRuntime, HostCapturer, MemoryPool]:
+    """A forward and a "backward" sharing one pool: the second consumes the first's output."""
+    pool = MemoryPool(object())
+    cap = HostCapturer()
+    fw, _ = compile_host(lambda x: (x * 2, x * 3), torch.randn(3), capturer=cap, pool=pool)
+    bw, _ = compile_host(lambda a: a + 1, torch.randn(3), capturer=cap, pool=pool)
+    return fw, bw, cap, pool
+
+
+def _step(fw: CudagraphRuntime, bw: CudagraphRuntime, x: torch.Tensor) -> tuple[Any, Any]:
+    a, c = fw([x])
+    args = [a]
+    del a  # as AOTAutograd hands saved activations over: the list holds them alone
+    (b,) = bw(args)
+    return b, c
+
+
+def test_recording_call_hands_out_the_capture_outputs_and_keeps_twins() -> None:
+    run, _ = compile_host(lambda x: x * 2, torch.randn(3))
+    x = torch.randn(3)
+    call(run, x)  # warm-up
+    (first,) = call(run, x)
+    rec = _segment(run)._hot
+    (twin,) = rec.outputs
+    assert first.data_ptr() == twin.data_ptr()
+    # not the recording's own storage: when the caller drops it, its memory is free
+    assert first.untyped_storage()._cdata != twin.untyped_storage()._cdata
+    (w,) = rec.watch
+    assert not w.owned and w.original_alive()
+    assert rec.pool.blocked(rec)  # the original is held: a replay would overwrite it
+    del first
+    assert not w.original_alive() and not rec.pool.blocked(rec)
+    (second,) = call(run, x)
+    assert second.untyped_storage()._cdata == twin.untyped_storage()._cdata
+    torch.testing.assert_close(second, x * 2)
+
+
+def test_a_consumer_recorded_after_its_input_died_may_reuse_that_memory() -> None:
+    fw, bw, cap, pool = _shared_pair()
+    for _ in range(5):
+        x = torch.randn(3)
+        b, c = _step(fw, bw, x)
+        torch.testing.assert_close(b, x * 2 + 1)
+        torch.testing.assert_close(c, x * 3)
+        del b, c
+    assert cap.captures == 2  # one forward, one backward recording: replayed since
+    rec = _segment(bw)._hot
+    assert rec.pool is pool
+    # the forward's first output died while the backward was captured (it was
+    # consumed: position 0 of the backward's inputs); the second was held then
+    consumed = {w.positions: positions for w, positions in rec.reuse}
+    assert consumed == {(0,): (0,)}
+
+
+def test_an_earlier_output_held_again_keeps_the_reusing_recording_from_replaying() -> None:
+    fw, bw, cap, pool = _shared_pair()
+    for _ in range(3):
+        _step(fw, bw, torch.randn(3))
+    reusing = _segment(bw)._hot
+    assert reusing.reuse and cap.captures == 2
+    x = torch.randn(3)
+    a, c = fw([x])
+    held = a  # someone keeps the forward's output past the backward this time
+    assert not pool.reuse_free(reusing.reuse, [a])
+    (b,) = bw([a])
+    torch.testing.assert_close(b, x * 2 + 1)
+    torch.testing.assert_close(held, x * 2)
+    # a new recording in a pool of its own; the reusing one is kept for later steps
+    assert cap.captures == 3
+    fresh = _segment(bw)._hot
+    assert fresh is not reusing and fresh.pool is not pool and fresh.reuse == []
+    del a, held, c, b
+    x = torch.randn(3)
+    b, _ = _step(fw, bw, x)
+    torch.testing.assert_close(b, x * 2 + 1)
+    assert cap.captures == 3
+
+
+def test_held_dropped_output_keeps_the_reusing_recording_from_replaying() -> None:
+    fw, bw, cap, _ = _shared_pair()
+    for _ in range(3):
+        a, c = fw([torch.randn(3)])
+        del c  # the forward's second output is dropped before the backward ...
+        args = [a]
+        del a
+        bw(args)
+    reusing = _segment(bw)._hot
+    assert [w.positions for w, _ in reusing.reuse] == [(0,), (1,)]
+    x = torch.randn(3)
+    b, c = _step(fw, bw, x)  # ... and now it is held across the backward
+    torch.testing.assert_close(b, x * 2 + 1)
+    torch.testing.assert_close(c, x * 3)
+    assert cap.captures == 3 and _segment(bw)._hot is not reusing
+
+
+def test_outputs_outlive_their_runtime_with_their_memory() -> None:
+    import gc
+
+    from loom_cudagraph import _pool
+
+    run, _ = compile_host(lambda x: x * 2, torch.randn(64))
+    x = torch.randn(64)
+    for _ in range(4):
+        (out,) = call(run, x)
+    twins = {
+        r.outputs[0].untyped_storage()._cdata
+        for t in _segment(run)._tables.values()
+        for r in t.recordings
+    }
+    assert out.untyped_storage()._cdata in twins  # an alias of a recording's memory
+    del run
+    gc.collect()
+    assert _pool._adopted  # the graph that owns the memory is kept for ``out``
+    garbage = [torch.full((64,), 7.0) for _ in range(50)]  # reuse any freed memory
+    torch.testing.assert_close(out, x * 2)
+    del out, garbage
+    _pool.prune_adopted()
+    assert not _pool._adopted

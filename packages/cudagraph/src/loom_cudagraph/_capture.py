@@ -1,7 +1,9 @@
 """How a segment is captured and replayed: on a CUDA device, or simulated on the host.
 
 A :class:`Capturer` turns ``fn(static_inputs)`` into a graph handle and its
-static outputs, replays the handle, and makes memory pools. A capturer may
+static outputs, replays the handle, and makes memory pools. The capture takes
+the input list over (``fn`` is boxed and frees what it no longer needs, so
+memory freed during the capture can be reused by it). A capturer may
 also offer ``replayer(graph)``, a zero-argument callable bound once per
 recording (the C++ ``replay`` of the graph on CUDA), which the per-call path calls
 instead of ``replay(graph)``.
@@ -9,18 +11,22 @@ instead of ``replay(graph)``.
 side stream; the default CUDA generator is registered by the graph itself, so
 each replay advances the Philox offset and draws fresh random numbers.
 :class:`HostCapturer` runs ``fn`` again on every replay and writes the results
-into the same output tensors, which reproduces a replay's aliasing on CPU so
-the runtime's bookkeeping is testable without a GPU.
+into the same output memory, which reproduces a replay's aliasing on CPU so
+the runtime's bookkeeping is testable without a GPU. Like a CUDA pool, the
+host graph owns its outputs' memory: the outputs it returns view that memory
+without owning it, so they die like a capture's outputs do while the memory
+stays.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from loom_cudagraph._torch_compat import cuda_graph_replay
+from loom_cudagraph._torch_compat import cuda_graph_replay, non_owning_alias
 
 __all__ = ["Capturer", "CudaCapturer", "HostCapturer"]
 
@@ -33,7 +39,8 @@ class Capturer(Protocol):
     def new_pool_handle(self) -> Any: ...
 
     def capture(self, fn: SegmentFn, inputs: list[Any], pool: Any) -> tuple[Any, list[Any]]:
-        """Record ``fn(inputs)``; return the graph handle and its static outputs."""
+        """Record ``fn(inputs)`` (``inputs`` is the capture's to consume); return
+        the graph handle and its static outputs."""
         ...
 
     def replay(self, graph: Any) -> None: ...
@@ -69,7 +76,7 @@ class CudaCapturer:
             with torch.cuda.graph(
                 graph, pool=pool, stream=stream, capture_error_mode="thread_local"
             ):
-                outputs = list(fn(list(inputs)))
+                outputs = list(fn(inputs))
         return graph, outputs
 
     def replay(self, graph: Any) -> None:
@@ -91,28 +98,39 @@ class CudaCapturer:
 
 
 class _HostGraph:
-    def __init__(self, fn: SegmentFn, inputs: list[Any], outputs: list[Any]) -> None:
+    def __init__(
+        self, fn: SegmentFn, inputs: list[Any], memory: list[Any], owners: list[_HostGraph]
+    ) -> None:
         self.fn = fn
         self.inputs = inputs
-        self.outputs = outputs
+        #: the outputs' memory, owned by the graph as a pool owns a capture's
+        self.memory = memory
+        #: graphs whose memory ``inputs`` view without owning it
+        self.owners = owners
         self.replays = 0
 
     def replay(self) -> None:
         self.replays += 1
         fresh = self.fn(list(self.inputs))
-        for static, new in zip(self.outputs, fresh, strict=True):
+        for static, new in zip(self.memory, fresh, strict=True):
             if isinstance(static, torch.Tensor) and static is not new:
                 with torch.no_grad():
                     static.copy_(new)
 
 
+def _strided(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.layout == torch.strided
+
+
 class HostCapturer:
     """A stand-in for CUDA graphs on the host: replay re-runs the function and
-    overwrites the recorded output tensors in place, as a real replay would."""
+    overwrites the recorded outputs' memory in place, as a real replay would."""
 
     def __init__(self) -> None:
         self.captures = 0
         self.replays = 0
+        #: memory address -> the graph that owns it
+        self._owners: weakref.WeakValueDictionary[int, _HostGraph] = weakref.WeakValueDictionary()
 
     def new_pool_handle(self) -> Any:
         return object()
@@ -121,13 +139,34 @@ class HostCapturer:
         # NOTE: a CUDA capture executes nothing; undo the run's input mutations
         # so that only replays change state, as on the device.
         self.captures += 1
-        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        owners: list[_HostGraph] = []
+        kept: list[Any] = []
+        for v in inputs:
+            owner = self._owners.get(v.untyped_storage().data_ptr()) if _strided(v) else None
+            if owner is not None:
+                # an earlier graph's output: view it (it may die, the memory stays)
+                owners.append(owner)
+                kept.append(non_owning_alias(v))
+            else:
+                kept.append(v)
+        del v  # NOTE: the list is the capture's: hold no input past its last use
+        tensors = [t for t in kept if isinstance(t, torch.Tensor)]
         saved = [t.clone() for t in tensors]
-        outputs = list(fn(list(inputs)))
+        input_memory = {t.untyped_storage().data_ptr() for t in tensors if _strided(t)}
+        outputs = list(fn(inputs))
         with torch.no_grad():
             for t, s in zip(tensors, saved, strict=True):
                 t.copy_(s)
-        return _HostGraph(fn, list(inputs), outputs), outputs
+        graph = _HostGraph(fn, kept, outputs, owners)
+        handed: list[Any] = []
+        for o in outputs:
+            if _strided(o) and not o.requires_grad:
+                ptr = o.untyped_storage().data_ptr()
+                if ptr not in input_memory and ptr != 0:
+                    self._owners[ptr] = graph
+                    o = non_owning_alias(o)
+            handed.append(o)
+        return graph, handed
 
     def replay(self, graph: Any) -> None:
         self.replays += 1

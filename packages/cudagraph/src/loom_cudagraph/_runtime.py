@@ -165,11 +165,16 @@ class CudagraphRuntime:
         args.clear()
         env.extend(self._pad)
         for run, reads, writes, frees in self._steps:
-            results = run([env[i] for i in reads])
-            for slot, value in zip(writes, results, strict=True):
-                env[slot] = value
+            args = [env[i] for i in reads]
+            # NOTE: values read for the last time go with the call's list alone,
+            # so the step's code frees them as it goes (as eager would), and a
+            # capture can reuse their memory.
             for slot in frees:
                 env[slot] = None
+            results = run(args)
+            del args
+            for slot, value in zip(writes, results, strict=True):
+                env[slot] = value
         return [env[s] if s >= 0 else const for s, const in self._outputs]
 
     def stats(self) -> RuntimeStats:

@@ -28,7 +28,7 @@ import torch
 
 from loom_cudagraph._capture import Capturer
 from loom_cudagraph._options import CudagraphOptions
-from loom_cudagraph._pool import MemoryPool, Watch
+from loom_cudagraph._pool import MemoryPool, Reuse, Watch, adopt_if_held, prune_adopted
 from loom_cudagraph._reasons import SkipReason, Unsupported
 from loom_cudagraph._skiplog import report_skip
 from loom_cudagraph._torch_compat import (
@@ -36,8 +36,10 @@ from loom_cudagraph._torch_compat import (
     foreach_copy_,
     mark_boxed,
     non_overlapping_and_dense,
+    non_owning_alias,
     storage_id,
     storage_use_count,
+    storage_weak_ref,
 )
 
 __all__ = ["CapturedSegment", "SegmentSpec", "SegmentStats", "is_managed", "suspended"]
@@ -46,7 +48,8 @@ log = logging.getLogger("torchloom.cudagraph")
 
 SegmentFn = Callable[[list[Any]], Sequence[Any]]
 
-# Storages of static outputs of live recordings: an input found here is used in place.
+# Memory (storage addresses) of static outputs of live recordings: an input found
+# here is used in place.
 _managed: dict[int, int] = {}
 
 
@@ -73,7 +76,17 @@ def suspended() -> Iterator[None]:
 
 def is_managed(t: torch.Tensor) -> bool:
     """Whether ``t`` lives in memory a loom CUDA graph writes (an output of a recording)."""
-    return storage_id(t) in _managed
+    return _memory(t) in _managed
+
+
+def _memory(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (shared by a recording's outputs and their twins)."""
+    return int(t.untyped_storage().data_ptr())
+
+
+def _aliasable(t: torch.Tensor) -> bool:
+    """Whether a recording may keep ``t`` through a non-owning twin (see ``_pool``)."""
+    return t.layout == torch.strided and not t.requires_grad and _memory(t) != 0
 
 
 def _forget(cdatas: list[int]) -> None:
@@ -149,6 +162,7 @@ class _Recording:
         "ptrs",
         "replay",
         "retired",
+        "reuse",
         "stable_idx",
         "table",
         "watch",
@@ -173,6 +187,8 @@ class _Recording:
         self.watch: list[Watch] = []
         self.checks: tuple[int, list[tuple[int, int]]] = (-1, [])
         self.managed: list[int] = []
+        #: earlier outputs of the pool whose memory this recording may have reused
+        self.reuse: list[Reuse] = []
         self.retired = False
         self.copy_in: Callable[[list[Any]], object] | None = None
         self.copy_back: Callable[[list[Any]], object] | None = None
@@ -301,7 +317,8 @@ class CapturedSegment:
     def __call__(self, inputs: list[Any]) -> Sequence[Any]:
         # NOTE: the hot path. ``_hot`` is the recording the last call replayed
         # (static shapes only; dropped when it retires); it replays again if its
-        # in-place inputs kept their addresses and no output it hands out is held.
+        # in-place inputs kept their addresses, no output it hands out is held,
+        # and no earlier output whose memory it reuses is held (but by ``inputs``).
         if _suspended:
             return self.fn(inputs)
         rec = self._hot
@@ -312,11 +329,15 @@ class CapturedSegment:
                 and not data_ptrs_at_indices_equal(inputs, rec.ptrs, rec.inplace_idx)
             )
             or rec.pool.blocked(rec)
+            or (rec.reuse and not rec.pool.reuse_free(rec.reuse, inputs))
         ):
-            rec = self._dispatch(inputs)
-            if rec is None:
+            found = self._dispatch(inputs)
+            if found is None:
                 self.uncaptured_calls += 1
                 return self.fn(inputs)
+            if not isinstance(found, _Recording):
+                return found  # recorded: this call was its first replay
+            rec = found
         if rec.copy_in is not None:
             rec.copy_in(inputs)
         rec.replay()
@@ -331,9 +352,10 @@ class CapturedSegment:
             outs[p] = outs[p].clone()
         return outs
 
-    def _dispatch(self, inputs: list[Any]) -> _Recording | None:
-        """The recording to replay for ``inputs``, recording one if needed and
-        allowed; ``None`` runs the call uncaptured (a warm-up, or a skip)."""
+    def _dispatch(self, inputs: list[Any]) -> _Recording | list[Any] | None:
+        """The recording to replay for ``inputs``; or the outputs of this call when
+        it made a new recording (and replayed it); ``None`` runs the call
+        uncaptured (a warm-up, or a skip)."""
         if self._off is not None:
             return None
         key = self._key(inputs) if self._dynamic else None
@@ -345,20 +367,23 @@ class CapturedSegment:
         if rec is None or (
             rec.inplace_idx and not data_ptrs_at_indices_equal(inputs, rec.ptrs, rec.inplace_idx)
         ):
-            rec = table.find(inputs) or self._record(table, inputs)
+            rec = table.find(inputs)
             if rec is None:
-                return None
-        if rec.pool.blocked(rec):
-            rec = self._unblocked(table, rec, inputs)
-            if rec is None:
-                return None
+                return self._record(table, inputs)
+        if not _usable(rec, inputs):
+            found = self._unblocked(table, rec, inputs)
+            if not isinstance(found, _Recording):
+                return found
+            rec = found
         table.last = rec
         if not self._dynamic:
             self._hot = rec
         return rec
 
-    def _unblocked(self, table: _Table, rec: _Recording, inputs: list[Any]) -> _Recording | None:
-        """A recording for these addresses whose outputs are free: a sibling, a new
+    def _unblocked(
+        self, table: _Table, rec: _Recording, inputs: list[Any]
+    ) -> _Recording | list[Any] | None:
+        """A recording for these addresses that may replay now: a sibling, a new
         second buffer, or (both busy) a fresh one that copies held outputs out."""
         siblings = [
             r
@@ -366,12 +391,12 @@ class CapturedSegment:
             if r is not rec and data_ptrs_at_indices_equal(inputs, r.ptrs, r.inplace_idx)
         ]
         for r in siblings:
-            if not r.pool.blocked(r):
+            if _usable(r, inputs):
                 return r
-        if not siblings:
-            return self._record(table, inputs, alternate=True)
-        for r in (rec, *siblings):
-            r.pool.release(r)
+        if siblings:
+            for r in (rec, *siblings):
+                if r.pool.blocked(r):
+                    r.pool.release(r)
         return self._record(table, inputs, alternate=True)
 
     def _key(self, inputs: list[Any]) -> tuple[Any, ...]:
@@ -405,7 +430,12 @@ class CapturedSegment:
 
     def _record(
         self, table: _Table, inputs: list[Any], alternate: bool = False
-    ) -> _Recording | None:
+    ) -> list[Any] | None:
+        """Record a new CUDA graph for ``inputs`` and replay it: this call's outputs
+        (the tensors the capture allocated), or ``None`` to run the call uncaptured
+        (budget spent; ``inputs`` untouched). The capture takes ``inputs`` over, so
+        what the segment's code frees early (a backward's saved activations) is
+        freed during the capture and its memory can be reused by it."""
         opts = self.spec.options
         limit = max(1, opts.max_recording)
         if not table.unstable and _stable_input_moved(table, inputs):
@@ -419,20 +449,11 @@ class CapturedSegment:
                 table.exhausted = True
                 self._warn_budget(table, inputs)
             return None
-        first = (
-            table.made == 0
-            and not alternate
-            and len(self._tables) == 1
-            and self.shared_pool is not None
-        )
-        pool = (
-            self.shared_pool
-            if first and self.shared_pool is not None
-            else MemoryPool(self.capturer.new_pool_handle())
-        )
-        rec = _Recording(table, pool)
+        prune_adopted()
         static = self.spec.static_positions
-        cap_inputs = list(inputs)
+        inplace_idx: list[int] = []
+        stable_idx: list[int] = []
+        copy_idx: list[int] = []
         for i, v in enumerate(inputs):
             if not isinstance(v, torch.Tensor):
                 continue
@@ -443,33 +464,69 @@ class CapturedSegment:
                 or not non_overlapping_and_dense(v)
                 or v.device != self.device
             ):
-                rec.inplace_idx.append(i)
+                inplace_idx.append(i)
             elif not table.unstable and v.data_ptr() == table.warm_ptrs[i]:
-                rec.inplace_idx.append(i)
-                rec.stable_idx.append(i)
+                inplace_idx.append(i)
+                stable_idx.append(i)
             else:
-                rec.copy_idx.append(i)
+                copy_idx.append(i)
+        del v  # NOTE: a loop variable would keep the last input alive through the capture
+        # where the in-place inputs' memory is: the positions that view an earlier
+        # output a capture may reuse (see ``MemoryPool.reuse_free``)
+        views: dict[int, list[int]] = {}
+        for i in inplace_idx:
+            if inputs[i].layout == torch.strided:
+                views.setdefault(_memory(inputs[i]), []).append(i)
+        first = (
+            table.made == 0
+            and not alternate
+            and len(self._tables) == 1
+            and self.shared_pool is not None
+        )
+        pool = self.shared_pool if first else None
+        if pool is not None and not pool.reuse_free(pool.reusable(views), inputs):
+            # NOTE: an output whose memory went back to the shared pool is held
+            # again (an alias from a replay): a capture there could be given it.
+            log.debug("cudagraph: %s: shared pool busy, recording into its own", self.spec.name)
+            pool = None
+        if pool is None:
+            pool = MemoryPool(self.capturer.new_pool_handle())
+        rec = _Recording(table, pool)
+        rec.inplace_idx, rec.stable_idx, rec.copy_idx = inplace_idx, stable_idx, copy_idx
         rec.ptrs = [None] * len(inputs)
-        for i in rec.inplace_idx:
+        for i in inplace_idx:
             rec.ptrs[i] = inputs[i].data_ptr()
         rec.bufs = [
             torch.empty_strided(
                 inputs[i].size(), inputs[i].stride(), dtype=inputs[i].dtype, device=inputs[i].device
             )
-            for i in rec.copy_idx
+            for i in copy_idx
         ]
-        if rec.copy_idx:
-            foreach_copy_(rec.bufs, [inputs[i] for i in rec.copy_idx])
-        for i, buf in zip(rec.copy_idx, rec.bufs, strict=True):
-            cap_inputs[i] = buf
+        if copy_idx:
+            foreach_copy_(rec.bufs, [inputs[i] for i in copy_idx])
         mutated = self.spec.mutated_positions
-        rec.copyback_idx = [i for i in rec.copy_idx if i in mutated]
-        rec.copyback_bufs = [b for i, b in zip(rec.copy_idx, rec.bufs, strict=True) if i in mutated]
-        rec.copy_in = _copy_into(rec.bufs, rec.copy_idx)
+        rec.copyback_idx = [i for i in copy_idx if i in mutated]
+        rec.copyback_bufs = [b for i, b in zip(copy_idx, rec.bufs, strict=True) if i in mutated]
+        rec.copy_in = _copy_into(rec.bufs, copy_idx)
         rec.copy_back = _copy_back(rec.copyback_bufs, rec.copyback_idx)
+        in_place = {storage_id(inputs[i]) for i in inplace_idx}
+        copy_targets = [inputs[i] for i in rec.copyback_idx]
+        # NOTE: if the capture fails, the call runs uncaptured on these: the
+        # memory of outputs it freed meanwhile is in the private pool, which
+        # nothing but a capture into that pool allocates from, so it is intact.
+        fallback = [
+            non_owning_alias(v)
+            if isinstance(v, torch.Tensor) and is_managed(v) and _aliasable(v)
+            else v
+            for v in inputs
+        ]
+        cap_inputs = list(inputs)
+        for i, buf in zip(copy_idx, rec.bufs, strict=True):
+            cap_inputs[i] = buf
+        inputs.clear()
         before = self.capturer.reserved()
         try:
-            rec.graph, rec.outputs = self.capturer.capture(self.fn, cap_inputs, pool.handle)
+            rec.graph, originals = self.capturer.capture(self.fn, cap_inputs, pool.handle)
         except Exception as exc:
             self._hot = None
             self._off = self._skip(
@@ -477,30 +534,64 @@ class CapturedSegment:
                 f"capture raised {type(exc).__name__}: {exc}",
                 "report the op; mark it with loom_cudagraph.mark_non_capturable meanwhile",
             )
-            return None
-        del cap_inputs
+            self.uncaptured_calls += 1
+            return list(self.fn(fallback))
+        del cap_inputs, fallback
         rec.replay = self._replayer(rec.graph)
         self.pool_bytes += self.capturer.pool_bytes(before)
         table.made += 0 if alternate else 1
         table.buffers += 1
-        self._finish(rec, inputs)
+        self._finish(rec, originals, in_place)
+        # NOTE: the twins do not own their memory, the graph does: if the
+        # recording goes while an output it handed out is held, keep the graph.
+        weakref.finalize(rec, adopt_if_held, rec.graph, rec.watch)
+        rec.reuse = pool.reusable(views)
         pool.add(rec)
         table.recordings.append(rec)
-        log.debug("cudagraph: %s recorded (%d for this shape)", self.spec.name, table.made)
+        table.last = rec
+        if not self._dynamic:
+            self._hot = rec
+        log.debug(
+            "cudagraph: %s recorded (%d for this shape, %d earlier outputs' memory reusable)",
+            self.spec.name,
+            table.made,
+            len(rec.reuse),
+        )
         if self.listener is not None:
             self.listener(self.stats(), "recorded")
-        return rec
+        rec.replay()
+        if copy_targets:
+            foreach_copy_(copy_targets, rec.copyback_bufs)
+        self.replays += 1
+        for p in rec.clone_idx:
+            originals[p] = originals[p].clone()
+        return originals
 
-    def _finish(self, rec: _Recording, inputs: list[Any]) -> None:
+    def _finish(self, rec: _Recording, originals: list[Any], in_place: set[int]) -> None:
+        """Keep the capture's outputs as non-owning twins (the call hands out the
+        originals), and watch every storage the recording hands out."""
         table = rec.table
-        outs = rec.outputs
-        in_place = {storage_id(inputs[i]) for i in rec.inplace_idx}
         groups: dict[int, list[int]] = {}
-        for p, o in enumerate(outs):
+        for p, o in enumerate(originals):
             if isinstance(o, torch.Tensor) and o.device.type != "meta":
                 cdata = storage_id(o)
                 if cdata not in in_place:
                     groups.setdefault(cdata, []).append(p)
+        outs = list(originals)
+        twins: dict[int, torch.UntypedStorage] = {}
+        twinned: set[int] = set()
+        # NOTE: an output that is a static input buffer (a passthrough) is that
+        # buffer's memory, not the pool's: watched, never twinned.
+        buffers = {storage_id(b) for b in rec.bufs}
+        for cdata, ps in groups.items():
+            if cdata not in buffers and all(_aliasable(originals[p]) for p in ps):
+                for p in ps:
+                    outs[p] = non_owning_alias(originals[p], twins)
+                twinned.add(cdata)
+        # NOTE: the twins' Python storages count as uses; drop them before the
+        # baselines are read.
+        twins.clear()
+        rec.outputs = outs
         escaping = self.spec.escaping_outputs
         rec.clone_idx = tuple(sorted(p for p in table.copy_out if p < len(outs)))
         rec.alias_idx = tuple(
@@ -510,15 +601,25 @@ class CapturedSegment:
                 if p < len(outs) and p not in table.copy_out and isinstance(outs[p], torch.Tensor)
             )
         )
-        watched = [(c, ps) for c, ps in groups.items() if not set(ps) <= table.copy_out]
-        rec.watch = [
-            Watch(c, storage_use_count(c), tuple(ps), tuple(outs[p] for p in ps))
-            for c, ps in watched
-        ]
-        rec.managed = list(groups)
+        watch = []
+        for cdata, ps in groups.items():
+            if set(ps) <= table.copy_out:
+                continue
+            first = outs[ps[0]]
+            keep = tuple(outs[p] for p in ps)
+            if cdata in twinned:
+                w = Watch(storage_id(first), 0, tuple(ps), keep, _memory(first), owned=False)
+                w.origin = storage_weak_ref(originals[ps[0]])
+            else:
+                w = Watch(cdata, 0, tuple(ps), keep, _memory(first))
+            watch.append(w)
+        for w in watch:
+            w.baseline = storage_use_count(w.cdata)
+        rec.watch = watch
+        rec.managed = [_memory(outs[ps[0]]) for ps in groups.values()]
         _manage(rec.managed, +1)
-        # NOTE: a dead recording's storages may be reused at the same address;
-        # forget them as managed when the recording goes.
+        # NOTE: a dead recording's memory may be reused at the same address;
+        # forget it as managed when the recording goes.
         weakref.finalize(rec, _forget, rec.managed)
 
     def _warn_budget(self, table: _Table, inputs: list[Any]) -> None:
@@ -580,6 +681,12 @@ class CapturedSegment:
             pool_bytes=self.pool_bytes,
             copied_out=tuple(copied),
         )
+
+
+def _usable(rec: _Recording, inputs: list[Any]) -> bool:
+    """Whether ``rec`` may replay for ``inputs`` (see ``MemoryPool``)."""
+    pool = rec.pool
+    return not pool.blocked(rec) and (not rec.reuse or pool.reuse_free(rec.reuse, inputs))
 
 
 def _stable_input_moved(table: _Table, inputs: list[Any]) -> bool:

@@ -8,7 +8,7 @@ of this file.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
@@ -27,8 +27,10 @@ __all__ = [
     "mark_boxed",
     "mutated_args",
     "non_overlapping_and_dense",
+    "non_owning_alias",
     "storage_id",
     "storage_use_count",
+    "storage_weak_ref",
 ]
 
 
@@ -39,6 +41,44 @@ def storage_id(t: torch.Tensor) -> int:
 
 #: How many references (tensors, views, storages) hold a StorageImpl now (by its address).
 storage_use_count: Callable[[int], int] = torch._C._storage_Use_Count
+
+
+class StorageWeakRef(Protocol):
+    def expired(self) -> bool: ...
+
+
+def storage_weak_ref(t: torch.Tensor) -> StorageWeakRef:
+    """A weak reference to ``t``'s storage: ``expired()`` once nothing holds it (its
+    memory then went back to the allocator). It keeps the StorageImpl's address from
+    being reused while it lives."""
+    from torch.multiprocessing.reductions import StorageWeakRef as _Ref
+
+    ref: StorageWeakRef = _Ref(t.untyped_storage())  # type: ignore[no-untyped-call]
+    return ref
+
+
+def non_owning_alias(
+    t: torch.Tensor, storages: dict[int, torch.UntypedStorage] | None = None
+) -> torch.Tensor:
+    """``t`` again, over a storage that views the same memory without owning it:
+    same address, dtype, size, strides and offset; dropping it frees nothing.
+
+    ``storages`` maps a storage's address to its non-owning twin, so that tensors
+    sharing a storage share the twin (their liveness is then one use count).
+    """
+    storage = t.untyped_storage()
+    key = int(storage._cdata)
+    twin: Any = None if storages is None else storages.get(key)
+    if twin is None:
+        twin = torch._C._construct_storage_from_data_pointer(
+            storage.data_ptr(), t.device, storage.nbytes()
+        )
+        if storages is not None:
+            storages[key] = twin
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        alias.set_(twin, t.storage_offset(), t.size(), t.stride())
+    return alias
 
 
 TensorList = list[torch.Tensor] | tuple[torch.Tensor, ...]
