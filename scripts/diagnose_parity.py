@@ -67,6 +67,59 @@ def _blocks_allocated_since(device: torch.device, before: set[int]) -> list[str]
     return lines
 
 
+def _holders(device: torch.device, before: set[int]) -> list[str]:
+    """For active blocks of 1 MiB or more made since ``before`` (addresses), the
+    Python tensors that view them and what refers to those tensors (two levels)."""
+    ranges = []
+    for seg in torch.cuda.memory._snapshot(device)["segments"]:
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated" and b["address"] not in before:
+                if b["size"] >= 2**20:
+                    ranges.append(
+                        (b["address"], b["address"] + b["size"], seg.get("segment_pool_id"))
+                    )
+    lines = []
+    found: set[int] = set()
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.device.type != "cuda":
+            continue
+        try:
+            ptr = obj.untyped_storage().data_ptr()
+        except Exception:
+            continue
+        for lo, hi, pool in ranges:
+            if lo <= ptr < hi:
+                found.add(lo)
+                lines.append(f"  tensor {tuple(obj.shape)} {obj.dtype} at {ptr:#x} (pool {pool}):")
+                for ref in gc.get_referrers(obj):
+                    lines.append(f"    <- {_describe(ref)}")
+                    if isinstance(ref, (list, dict, tuple)):
+                        for ref2 in gc.get_referrers(ref)[:4]:
+                            lines.append(f"       <- {_describe(ref2)}")
+    for lo, hi, pool in ranges:
+        if lo not in found:
+            lines.append(
+                f"  block {lo:#x} ({(hi - lo) / 2**20:.1f} MiB, pool {pool}): no Python tensor"
+            )
+    return lines
+
+
+def _describe(obj: object) -> str:
+    import types
+
+    if isinstance(obj, types.FrameType):
+        return (
+            f"frame {obj.f_code.co_filename.rsplit('/', 2)[-1]}:{obj.f_lineno} {obj.f_code.co_name}"
+        )
+    if isinstance(obj, (list, tuple)):
+        return f"{type(obj).__name__} of {len(obj)}"
+    if isinstance(obj, dict):
+        return f"dict keys {list(obj)[:6]}"
+    if isinstance(obj, types.CellType):
+        return "closure cell"
+    return type(obj).__qualname__
+
+
 def _active_addresses(device: torch.device) -> set[int]:
     return {
         b["address"]
@@ -76,13 +129,19 @@ def _active_addresses(device: torch.device) -> set[int]:
     }
 
 
-def diagnose(model_name: str, w: bench_hf.Workload, device: torch.device, steps: int) -> None:
+def diagnose(
+    model_name: str,
+    w: bench_hf.Workload,
+    device: torch.device,
+    steps: int,
+    variants: tuple[str, ...] = ("inductor-ro", "loom-cudagraphs"),
+) -> None:
     size = bench_hf.GPU_SIZE
     base = bench_hf.MODELS[model_name](size).to(device).train(w.train)
     ids = torch.randint(0, size.vocab, w.shape(size), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
     for v in bench_hf.VARIANTS:
-        if v.name not in ("inductor-ro", "loom-cudagraphs"):
+        if v.name not in variants:
             continue
         bench_hf._reset()
         model = copy.deepcopy(base)
@@ -114,6 +173,8 @@ def diagnose(model_name: str, w: bench_hf.Workload, device: torch.device, steps:
                 print(f"  {k}: +{delta / 2**20:.2f} MiB")
         print("  active blocks made during warm-up:")
         print("\n".join(_blocks_allocated_since(device, active_before)[:25]))
+        print("  who holds them:")
+        print("\n".join(_holders(device, active_before)[:60]))
         torch.cuda.memory._record_memory_history(enabled=None)
         if v.name.startswith("loom"):
             import torchloom
@@ -143,13 +204,14 @@ def main() -> int:
     parser.add_argument("--models", default="llama,gpt2")
     parser.add_argument("--workloads", default="train,forward_b1")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--variants", default="inductor-ro,loom-cudagraphs")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
     for model_name in args.models.split(","):
         for w in bench_hf.WORKLOADS:
             if w.name in args.workloads.split(","):
-                diagnose(model_name, w, device, args.steps)
+                diagnose(model_name, w, device, args.steps, tuple(args.variants.split(",")))
     return 0
 
 

@@ -189,6 +189,23 @@ def test_compiled_backward_takes_its_inputs_boxed_and_clears_them(codegen: str) 
     assert watch.left_after_call == [0]
 
 
+def test_compiled_function_keeps_no_tensor_of_its_first_call() -> None:
+    """Dynamo's example inputs are the first call's tensors; AOTAutograd keeps
+    loom's compilers for the lazy backward, which must not keep those alive
+    (after a graph break they are activations of the previous graph)."""
+    import gc
+    import weakref
+
+    f = torch.compile(lambda h: (h.tanh() * 2).sum(), backend="loom", options=EAGER)
+    h = torch.randn(256, requires_grad=True) * 3  # an activation, as after a graph break
+    first = weakref.ref(h)
+    f(h).backward()
+    f(torch.randn(256, requires_grad=True) * 3).backward()
+    del h
+    gc.collect()
+    assert first() is None
+
+
 def test_debug_log_prints_each_stage_graph(caplog: pytest.LogCaptureFixture) -> None:
     f = torch.compile(lambda x: x.tanh() * 2, backend="loom", options=EAGER)
     with caplog.at_level(logging.DEBUG, logger="torchloom.graphs"):

@@ -217,6 +217,20 @@ class MemoryPool:
                 return False
         return True
 
+    def describe_reuse(self, reuse: list[Reuse], inputs: Sequence[Any]) -> str:
+        """Which reused outputs are held, for a debug log."""
+        held = []
+        for w, positions in reuse:
+            listed = _listed_only(inputs, positions) if positions else 0
+            count = self._use_count(w.cdata)
+            if listed < 0 or count != w.baseline + listed:
+                refs = [sys.getrefcount(inputs[i]) - 1 for i in positions]
+                held.append(
+                    f"output {w.positions} of recording {w.order}: {count} uses, "
+                    f"{w.baseline} ours, inputs {list(positions)} with refcounts {refs}"
+                )
+        return "; ".join(held) or "none"
+
     def release(self, rec: PooledRecording) -> None:
         """Retire ``rec`` and every later recording whose outputs are held; their
         held storages become orphans that block older recordings until they die."""

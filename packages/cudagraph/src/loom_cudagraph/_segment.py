@@ -393,6 +393,12 @@ class CapturedSegment:
         for r in siblings:
             if _usable(r, inputs):
                 return r
+        if log.isEnabledFor(logging.DEBUG) and not rec.pool.blocked(rec):
+            log.debug(
+                "cudagraph: %s: an earlier output whose memory it reuses is held: %s",
+                self.spec.name,
+                rec.pool.describe_reuse(rec.reuse, inputs),
+            )
         if siblings:
             for r in (rec, *siblings):
                 if r.pool.blocked(r):

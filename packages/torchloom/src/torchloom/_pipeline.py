@@ -79,7 +79,7 @@ from torchloom._options import LoomOptions, resolve_options
 from torchloom._output_code import EagerOutputCode
 from torchloom._report import GraphRecordBuilder, InputMeta, new_record
 from torchloom._resize import guard_storage_sizes, plan_resizes, resize_passes, rewrite_fills
-from torchloom._values import Codegen, GraphKind, Snapshot
+from torchloom._values import Codegen, ExampleInputs, GraphKind, Snapshot
 
 __all__ = [
     "Compiled",
@@ -204,8 +204,8 @@ def compile_graph(
     if not _has_tensor_work(gm):
         reason = Unsupported(RefusalKind.NO_TENSOR_WORK, "", "the graph has no tensor work")
         return _eager_fallback(record, gm, reason)
+    snapshot = take_snapshot(gm, example_inputs, options, record)
     try:
-        snapshot = take_snapshot(gm, example_inputs, options, record)
         prepared = prepare(parts, snapshot)
         with compile_context(prepared):
             served = serve_from_cache(parts, prepared)
@@ -224,6 +224,10 @@ def compile_graph(
         if options.strict:
             raise
         return _eager_fallback(record, gm, refusal.reason)
+    finally:
+        # NOTE: the compiled function keeps the snapshot (through loom's
+        # compilers, for the lazy backward); not the first call's tensors.
+        snapshot.inputs.release()
 
 
 def take_snapshot(
@@ -233,7 +237,7 @@ def take_snapshot(
     with record.timed("snapshot"):
         return Snapshot(
             gm,
-            tuple(example_inputs),
+            ExampleInputs(example_inputs),
             options,
             record,
             loom_hops.active_saved_tensors_hooks(),

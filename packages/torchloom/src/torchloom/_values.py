@@ -19,7 +19,7 @@ import loom_hops
 from torchloom._options import LoomOptions
 from torchloom._report import GraphRecordBuilder
 
-__all__ = ["Codegen", "GraphKind", "Snapshot"]
+__all__ = ["Codegen", "ExampleInputs", "GraphKind", "Snapshot"]
 
 
 class GraphKind(enum.Enum):
@@ -35,19 +35,52 @@ class GraphKind(enum.Enum):
 Codegen = Callable[[GraphModule, Sequence[Any], Sequence[int]], Callable[..., Any]]
 
 
+class ExampleInputs:
+    """Dynamo's example inputs for one compile, held until the backend returns.
+
+    They are the first call's real tensors (for a graph after a graph break,
+    activations of the previous graph's first call): kept by the compiled
+    function, they would stay allocated as long as it lives. AOTAutograd keeps
+    loom's compilers (and so the snapshot) for the lazy backward compile, which
+    does not read them, so :meth:`release` drops them when the backend returns.
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Sequence[Any]) -> None:
+        self._values: tuple[Any, ...] | None = tuple(values)
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        if self._values is None:
+            raise RuntimeError(
+                "torchloom: the example inputs of this graph were released when its "
+                "compile returned; read what is needed from them during the compile"
+            )
+        return self._values
+
+    def release(self) -> None:
+        self._values = None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Snapshot:
     """The context of one compilation: Dynamo's graph and inputs, the resolved
     options, the saved-tensor hooks active when Dynamo called the backend, and
     whether the graph has ``grad_hook`` sites. ``record`` is the graph's report
-    builder, the one mutable thing every step writes to."""
+    builder, the one mutable thing every step writes to; ``inputs`` holds the
+    example inputs until the compile returns (:class:`ExampleInputs`)."""
 
     gm: GraphModule
-    example_inputs: tuple[Any, ...]
+    inputs: ExampleInputs
     options: LoomOptions
     record: GraphRecordBuilder
     hook_pair: loom_hops.HookPair | None
     grad_hook_sites: bool
+
+    @property
+    def example_inputs(self) -> tuple[Any, ...]:
+        return self.inputs.values
 
     @property
     def graph_id(self) -> int:
