@@ -26,7 +26,11 @@ from typing import Any, Protocol
 
 import torch
 
-from loom_cudagraph._torch_compat import cuda_graph_replay, non_owning_alias
+from loom_cudagraph._torch_compat import (
+    clear_cublas_workspaces,
+    cuda_graph_replay,
+    non_owning_alias,
+)
 
 __all__ = ["Capturer", "CudaCapturer", "HostCapturer"]
 
@@ -73,10 +77,17 @@ class CudaCapturer:
             if stream is None:
                 stream = self._streams[index] = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(
-                graph, pool=pool, stream=stream, capture_error_mode="thread_local"
-            ):
-                outputs = list(fn(inputs))
+            # NOTE: cuBLAS keeps a workspace per stream; cleared before, the
+            # capture allocates its own in the pool, and cleared after, it is
+            # freed there instead of staying allocated (it is scratch memory).
+            clear_cublas_workspaces()
+            try:
+                with torch.cuda.graph(
+                    graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+                ):
+                    outputs = list(fn(inputs))
+            finally:
+                clear_cublas_workspaces()
         return graph, outputs
 
     def replay(self, graph: Any) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "HigherOrderOperator",
     "OpOverload",
     "OpOverloadPacket",
+    "clear_cublas_workspaces",
     "cuda_graph_replay",
     "data_ptrs_at_indices_equal",
     "foreach_copy_",
@@ -108,6 +109,16 @@ HAS_NATIVE_DATA_PTRS_CHECK: bool = hasattr(torch._C, "_tensors_data_ptrs_at_indi
 data_ptrs_at_indices_equal: Callable[[list[Any], list[int | None], list[int]], bool] = getattr(
     torch._C, "_tensors_data_ptrs_at_indices_equal", _data_ptrs_at_indices_equal_py
 )
+
+
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached per-stream workspaces (absent on CPU-only builds: nothing to
+    drop). Around a capture, so that the workspace a capture needs is allocated in
+    its pool and then freed there (scratch memory later captures may reuse), as
+    CUDA-graph trees do, rather than staying allocated for the process."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def cuda_graph_replay(graph: Any) -> Callable[[], object]:
