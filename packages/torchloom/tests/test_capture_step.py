@@ -32,7 +32,7 @@ from torchloom._step_refusals import (
     scaler_refusals,
     sync_refusal,
 )
-from torchloom._torch_compat import step_storage_use_count
+from torchloom._torch_compat import step_storage_counter
 
 HERE = __file__
 
@@ -454,12 +454,12 @@ def _recording_with_output(static: torch.Tensor) -> _Recording:
         out_tree=None,
         outs=[static],
         out_watch=[],
-        params=[],
-        exit_grads=[],
-        exit_ids=[],
+        exit_pairs=[],
         held=[],
+        handed=[None],
     )
-    rec.out_watch = [(0, step_storage_use_count(static))]
+    count = step_storage_counter(static)
+    rec.out_watch = [(0, count, count())]
     return rec
 
 
