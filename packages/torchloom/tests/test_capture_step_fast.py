@@ -295,3 +295,12 @@ def test_replays_after_a_full_check_refresh_the_fast_check() -> None:
     step(x, s.y)
     step(x, s.y)
     assert step._slow_calls == slow and step.stats().recordings == 1
+
+
+def test_requires_grad_is_guarded_for_what_autograd_records_only() -> None:
+    """An optimizer's state is updated under no_grad: its requires_grad changes no step."""
+    s = _Setup()
+    before = s.full_guard()
+    check = s.check()
+    s.opt.state[_params(s)[0]]["momentum_buffer"].requires_grad_(True)
+    assert check.matches((s.x, s.y)) and not s.full_guard_changed(before)

@@ -298,6 +298,8 @@ class FastCheck:
     snapshots: list[Any] = dataclasses.field(repr=False)
     scalers: tuple[Any, ...] = ()
     scalers_enabled: list[bool] = dataclasses.field(default_factory=list)
+    #: module dicts that were empty (compared by length)
+    empty: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: whether any object, tensor, value or scaler is guarded (else arguments and modes
     #: are the whole check)
     tracked: bool = True
@@ -317,6 +319,7 @@ class FastCheck:
                 return True
             return (
                 all(map(operator.is_, self.stream(), self.held))
+                and not any(map(len, self.empty))
                 and compat.step_data_ptrs_equal(self.tensors, self.pointers, self.indices)
                 and list(map(_REQUIRES_GRAD, self.flagged)) == self.requires_grad
                 and (not self.values or self.values == self.snapshots)
@@ -372,7 +375,9 @@ class StepProbe:
         """The :class:`FastCheck` of the state now, for flat positional ``args``, with
         ``grads`` (one per parameter: a tensor, ``None`` or :data:`NEVER`) as the
         gradients the next call must find. Call it only where the full guard holds."""
-        views: list[Iterable[Any]] = [d.values() for d, _ in self._dicts]
+        # An empty module dict (a leaf's submodules, most buffers) costs a length, not a view.
+        views: list[Iterable[Any]] = [d.values() for d, _ in self._dicts if d]
+        empty = [d for d, _ in self._dicts if not d]
         values: list[Any] = []
         inner: list[torch.Tensor] = []
         opts = tuple(opt for _, opt in self.targets.optimizers)
@@ -399,10 +404,8 @@ class StepProbe:
 
         now = list(stream())
         held = [*now[: len(now) - len(params) - 1], *grads, _END]
-        flagged = _unique_tensors(
-            [*now[: len(now) - len(params) - 1], *inner, *(t for _, t in self.targets.tensors)]
-        )
-        tensors = _unique_tensors([*flagged, *grads])
+        flagged = _unique_tensors([*self._module_tensors(), *(t for _, t in self.targets.tensors)])
+        tensors = _unique_tensors([*now[: len(now) - len(params) - 1], *inner, *flagged, *grads])
         scalers = tuple(s for _, s in self.targets.scalers)
         return FastCheck(
             nargs=len(args),
@@ -420,7 +423,8 @@ class StepProbe:
             snapshots=copy.deepcopy(values),
             scalers=scalers,
             scalers_enabled=_scalers_enabled(scalers),
-            tracked=bool(len(held) > 1 or tensors or values or scalers),
+            empty=empty,
+            tracked=bool(len(held) > 1 or empty or tensors or values or scalers),
         )
 
     def _module_tensors(self) -> list[Any]:
@@ -447,6 +451,9 @@ class StepProbe:
         for _, t in self.targets.tensors:
             objects.append(t)
             tensors.append(t)
+        # requires_grad matters for what the forward and backward record: the modules'
+        # tensors and the step's own (an optimizer's state is updated under no_grad).
+        flagged = len(tensors)
         if named:
             opt_names += [name for name, _ in self.targets.roots]
             opt_names += [name for name, _ in self.targets.tensors]
@@ -512,7 +519,7 @@ class StepProbe:
             modes=mode_state(),
             objects=tuple(map(id, objects)),
             pointers=tuple(t.data_ptr() for t in tensors),
-            requires_grad=tuple(t.requires_grad for t in tensors),
+            requires_grad=tuple(t.requires_grad for t in tensors[:flagged]),
             hyper=tuple(hyper),
             grads=grads,
             names=(*self._names, *opt_names) if named else (),
