@@ -304,3 +304,32 @@ def test_requires_grad_is_guarded_for_what_autograd_records_only() -> None:
     check = s.check()
     s.opt.state[_params(s)[0]]["momentum_buffer"].requires_grad_(True)
     assert check.matches((s.x, s.y)) and not s.full_guard_changed(before)
+
+
+def test_keyword_arguments_take_the_fast_path_in_the_same_order() -> None:
+    s = _Setup()
+    step = CapturedStep(s.fn, torchloom.resolve_options(env={}), device=_NoopDevice())
+    for _ in range(5):
+        step(x=s.x, y=s.y)
+    slow = step._slow_calls
+    step(x=s.x.clone(), y=s.y.clone())
+    step(s.x, y=s.y.clone())  # the same leaves, another structure: the full guard
+    assert step._slow_calls == slow + 1
+    slow = step._slow_calls
+    step(y=s.y, x=s.x)  # another key order is another structure
+    assert step._slow_calls == slow + 1
+    step(x=s.x[:8], y=s.y[:8])
+    assert step._slow_calls == slow + 2
+    assert step.stats().refusal is None
+
+
+def test_arguments_in_containers_go_through_the_full_guard_and_still_replay() -> None:
+    s = _Setup()
+
+    def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return s.fn(*batch)
+
+    step = CapturedStep(fn, torchloom.resolve_options(env={}), device=_NoopDevice())
+    for _ in range(6):
+        step((s.x, s.y))
+    assert step.stats().replays == 3 and step.stats().recordings == 1

@@ -123,8 +123,8 @@ class _Recording:
     exit_pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
     #: every object the guard names by id, kept alive so that ids stay unique
     held: list[Any]
-    #: the per-call check (``None``: arguments that are not flat positional ones go
-    #: through the full guard) and the gradients it expects
+    #: the per-call check (``None``: arguments in containers go through the full
+    #: guard) and the gradients it expects
     fast: FastCheck | None = None
     fast_grads: list[Any] = dataclasses.field(default_factory=list)
     #: the gradients a replay after the fast check must set: those it expects ``None``
@@ -241,10 +241,16 @@ class CapturedStep(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         rec = self._last  # None once refused
-        if rec is not None and not kwargs:
+        if rec is not None and rec.fast is not None:
             fast = rec.fast
-            if fast is not None and fast.matches(args):
-                out = self._replay(rec, args, rec.grad_fix)
+            if kwargs:  # flat keyword arguments: leaves in call order, as pytree's
+                leaves: Sequence[Any] = (*args, *kwargs.values())
+                ok = tuple(kwargs) == fast.keywords and fast.matches(leaves)
+            else:
+                leaves = args
+                ok = not fast.keywords and fast.matches(args)
+            if ok:
+                out = self._replay(rec, leaves, rec.grad_fix)
                 if out is not _HELD:
                     return out  # type: ignore[no-any-return]
         if self._refusal is not None:
@@ -576,14 +582,11 @@ class CapturedStep(Generic[P, R]):
         self, rec: _Recording, args: Sequence[Any], kwargs: Any, leaves: Sequence[Any]
     ) -> FastCheck | None:
         """The per-call check of ``rec`` from this call (whose full guard held), when its
-        arguments are flat positional ones (no keywords, no containers)."""
-        if (
-            kwargs
-            or len(leaves) != len(args)
-            or any(a is not v for a, v in zip(args, leaves, strict=True))
-        ):
+        arguments are flat (positional and keyword arguments, no containers)."""
+        flat = (*args, *kwargs.values())
+        if len(leaves) != len(flat) or any(a is not v for a, v in zip(flat, leaves, strict=True)):
             return None
-        return rec.probe.fast_check(args, rec.fast_grads)
+        return rec.probe.fast_check(flat, rec.fast_grads, tuple(kwargs))
 
     def _budget_spent(self, current: StepGuard) -> None:
         self._budget_skips += 1

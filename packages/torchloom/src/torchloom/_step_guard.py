@@ -269,8 +269,9 @@ class FastCheck:
     """The per-call check of a recording, precomputed from a call whose full
     :class:`StepGuard` matched (its capture, or a replay after a full check).
 
-    It holds only if nothing that guard reads changed since: the positional arguments'
-    class, shape, dtype, device and ``requires_grad`` (others: type and value), grad
+    It holds only if nothing that guard reads changed since: the arguments' (positional,
+    then the keyword ones' values, their names in the same order) class, shape, dtype,
+    device and ``requires_grad`` (others: type and value), grad
     mode, autocast and its cache (one C++ call) and the autocast dtypes, every guarded
     object by identity (one pass over live dict views and lists at C speed, gradients
     included, ending in a sentinel so that a set that grew or shrank never matches),
@@ -298,6 +299,8 @@ class FastCheck:
     snapshots: list[Any] = dataclasses.field(repr=False)
     scalers: tuple[Any, ...] = ()
     scalers_enabled: list[bool] = dataclasses.field(default_factory=list)
+    #: the names of the keyword arguments, in call order (their values end the arguments)
+    keywords: tuple[str, ...] = ()
     #: module dicts that were empty (compared by length)
     empty: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: whether any object, tensor, value or scaler is guarded (else arguments and modes
@@ -371,8 +374,11 @@ class StepProbe:
             pnames.get(id(p), f"parameter #{i}") for i, p in enumerate(self.params)
         )
 
-    def fast_check(self, args: Sequence[Any], grads: Sequence[Any]) -> FastCheck:
-        """The :class:`FastCheck` of the state now, for flat positional ``args``, with
+    def fast_check(
+        self, args: Sequence[Any], grads: Sequence[Any], keywords: tuple[str, ...] = ()
+    ) -> FastCheck:
+        """The :class:`FastCheck` of the state now, for flat arguments ``args`` (the
+        positional ones, then the values of the keyword ones named ``keywords``), with
         ``grads`` (one per parameter: a tensor, ``None`` or :data:`NEVER`) as the
         gradients the next call must find. Call it only where the full guard holds."""
         # An empty module dict (a leaf's submodules, most buffers) costs a length, not a view.
@@ -410,6 +416,7 @@ class StepProbe:
         return FastCheck(
             nargs=len(args),
             args_match=_args_check(args),
+            keywords=keywords,
             global_state=compat.step_global_state(mode_state),
             autocast_dtypes=(torch.get_autocast_dtype("cuda"), torch.get_autocast_dtype("cpu")),
             stream=stream,
