@@ -333,3 +333,25 @@ def test_arguments_in_containers_go_through_the_full_guard_and_still_replay() ->
     for _ in range(6):
         step((s.x, s.y))
     assert step.stats().replays == 3 and step.stats().recordings == 1
+
+
+def test_without_dynamos_cpp_checks_the_python_ones_catch_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(compat, "_TENSOR_GUARDS", None)
+    monkeypatch.setattr(compat, "_GLOBAL_STATE_GUARD", None)
+    assert compat.step_tensors_check([torch.ones(1)]) is None
+    s = _Setup()
+    check = s.check()
+    assert check.matches((s.x.clone(), s.y.clone()))
+    assert not check.matches((s.x[:8], s.y[:8]))
+    assert not check.matches((s.x.double(), s.y))
+    with torch.no_grad():
+        assert not check.matches((s.x, s.y))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not check.matches((s.x, s.y))
+    torch.set_autocast_cache_enabled(False)
+    try:
+        assert not check.matches((s.x, s.y))
+    finally:
+        torch.set_autocast_cache_enabled(True)

@@ -526,18 +526,22 @@ def step_storage_counter(t: torch.Tensor) -> Callable[[], int]:
     return functools.partial(torch._C._storage_Use_Count, cdata)
 
 
+#: Dynamo's C++ checks of tensors and of global state, where torch has them.
+_DYNAMO_GUARDS = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+_TENSOR_GUARDS: Any = getattr(_DYNAMO_GUARDS, "TensorGuards", None)
+_GLOBAL_STATE_GUARD: Any = getattr(_DYNAMO_GUARDS, "GlobalStateGuard", None)
+
+
 def step_tensors_check(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
     """A C++ check that the tensors passed to it (positionally, as many as ``tensors``)
     have the class, dtype, device, ``requires_grad``, sizes and strides of ``tensors``
     (and their dispatch keys): Dynamo's ``TensorGuards``. Stricter than a step's
     argument guard (strides), never weaker. ``None`` where torch lacks it or it does
     not take these tensors (sparse ones)."""
-    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
-    cls = getattr(guards, "TensorGuards", None)
-    if cls is None:
+    if _TENSOR_GUARDS is None:
         return None
     try:
-        guard = cls(
+        guard = _TENSOR_GUARDS(
             *tensors,
             dynamic_dims_sizes=[list(t.shape) for t in tensors],
             dynamic_dims_strides=[list(t.stride()) for t in tensors],
@@ -556,10 +560,8 @@ def step_global_state(fallback: Callable[[], Any]) -> Callable[[], bool]:
     ``GlobalStateGuard``, which checks more global state besides (a ``False`` may be a
     false alarm, never a missed change). Where torch lacks it: ``fallback()`` compared
     with its value now, in Python."""
-    guard_cls = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
-    guard_cls = getattr(guard_cls, "GlobalStateGuard", None)
-    if guard_cls is not None:
-        check: Callable[[], bool] = guard_cls().check
+    if _GLOBAL_STATE_GUARD is not None:
+        check: Callable[[], bool] = _GLOBAL_STATE_GUARD().check
         return check
     now = fallback()
     return lambda: bool(fallback() == now)
