@@ -8,7 +8,9 @@ state tensors and hyperparameters, and whether each parameter's gradient exists.
 :class:`StepProbe` reads all of it as a :class:`StepGuard`; a recording keeps the
 guard of its capture and replays only when :meth:`StepGuard.mismatch` of the
 current one is ``None``. Identity is ``id()``: the recording holds every object
-it guards, so an id cannot be reused while the guard lives.
+it guards, so an id cannot be reused while the guard lives. Per call, a
+:class:`FastCheck` (precomputed from a call whose guard held) answers the same
+question at C speed; only when it fails is the guard read again.
 
 Which modules and optimizers a step uses is found once, from the step function's
 closure, defaults, bound ``self`` and the globals its code names
@@ -146,7 +148,8 @@ class StepGuard:
     """Everything a replay depends on, read at one call.
 
     ``objects``, ``pointers``, ``requires_grad`` and ``hyper`` come from the
-    step's modules and optimizers; ``names`` says what each object is (for
+    step's modules and optimizers (``requires_grad``: of the modules' and the
+    step's own tensors, not of optimizer state); ``names`` says what each object is (for
     messages; not compared). ``grads`` holds, per parameter, ``None`` or the
     gradient's ``(id, data_ptr)``; a recording's guard may hold :data:`ANY_TENSOR`
     where the step replaces the gradient it finds.
