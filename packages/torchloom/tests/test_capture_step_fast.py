@@ -181,14 +181,15 @@ def test_tensors_inside_tuple_hyperparameters_and_mutable_values_are_checked() -
     group = s.opt.param_groups[0]
     group["pair"] = (torch.ones(1), torch.ones(1))
     group["schedule"] = [1, 2]
+    before = s.full_guard()
     check = s.check()
     assert check.matches((s.x, s.y))
     group["schedule"].append(3)  # same list, new value
-    assert not check.matches((s.x, s.y))
+    assert not check.matches((s.x, s.y)) and s.full_guard_changed(before)
     group["schedule"].pop()
-    assert check.matches((s.x, s.y))
+    assert check.matches((s.x, s.y)) and not s.full_guard_changed(before)
     group["pair"][0].data = torch.zeros(1)  # same tuple and tensor, new address
-    assert not check.matches((s.x, s.y))
+    assert not check.matches((s.x, s.y)) and s.full_guard_changed(before)
 
 
 def test_an_enabled_scaler_fails_the_fast_check() -> None:

@@ -335,6 +335,15 @@ class FastCheck:
             return False
 
 
+def _snapshot(value: Any) -> Any:
+    """A copy of a mutable hyperparameter value to compare the live one with later
+    (the value itself where it cannot be copied)."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # an uncopyable object: compared with itself, by identity
+        return value
+
+
 def _scalers_enabled(scalers: Iterable[Any]) -> list[bool]:
     return [bool(getattr(s, "is_enabled", lambda: False)()) for s in scalers]
 
@@ -430,7 +439,7 @@ class StepProbe:
             flagged=flagged,
             requires_grad=list(map(_REQUIRES_GRAD, flagged)),
             values=values,
-            snapshots=copy.deepcopy(values),
+            snapshots=[_snapshot(v) for v in values],
             scalers=scalers,
             scalers_enabled=_scalers_enabled(scalers),
             empty=empty,
@@ -594,7 +603,9 @@ def _split_value(
                 named,
             )
     else:
-        hyper.append(value)
+        # A mutable value (a list of floats) is kept as a copy: the live one, changed in
+        # place, would still compare equal to itself.
+        hyper.append(_snapshot(value) if isinstance(value, _MUTABLE) else value)
         if named:
             hyper_names.append(name)
 
