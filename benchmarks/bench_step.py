@@ -24,19 +24,21 @@ difference from eager over the first calls, and capture_step's state. Targets
 (issue 15): ``capture-step`` within 1.10x of ``raw-graph`` on the training steps
 and 1.5x on the one-kernel step.
 
-Memory columns (CUDA; bytes allocated by live tensors, in MiB):
+Memory columns (CUDA, MiB; as ``bench_hf.py``'s):
 
-- ``held_mib``: allocated right after the variant's first calls (warm-up and
-  capture done) minus before it was built: the model copy, optimizer state,
-  gradients, static buffers and graph pools it keeps;
-- ``step_peak_mib``: the peak during the timed steps above ``held_mib``'s level:
-  what one step needs on top (activations; ~0 for a replayed graph, whose
-  memory is in its pool);
-- ``build_peak_mib``: the peak from before the variant was built, through its
-  build and first calls: includes compile-time workspace (Inductor's
-  autotuning), which is freed again and is no step memory;
-- ``mem_vs_raw``: ``held_mib + step_peak_mib`` (the steady-state footprint) over
-  ``raw-graph``'s.
+- ``peak_mib``: the peak allocated during the timed steps above what was
+  allocated right after the variant's first calls (warm-up and capture done):
+  what a step needs on top (activations; ~0 for a replayed graph, whose memory
+  is in its pool);
+- ``resident_mib``: what the variant keeps reserved after its first calls beyond
+  what was reserved before it was built (unused cached blocks released both
+  times): model copy, optimizer state, gradients, static buffers, and a CUDA
+  graph's pool whole (its tensors are "freed" but the pool stays reserved);
+- ``footprint_mib``: ``resident_mib + peak_mib``, the memory the step needs;
+  ``footprint_vs_raw`` compares it with ``raw-graph``'s;
+- ``build_peak_mib``: the peak allocated from before the variant was built
+  through its first calls: it includes compile-time workspace (Inductor's
+  autotuning), which is freed again and is no step memory.
 
 ``--micro`` (CPU, no GPU needed) times capture_step's real per-call path, with
 a device stand-in whose capture runs the step once and whose replay does nothing:
@@ -357,8 +359,11 @@ def measure(
         torchloom.reset()
         sync(device)
         cuda = device.type == "cuda"
-        before = torch.cuda.memory_allocated(device) if cuda else 0
+        before = reserved = 0
         if cuda:
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated(device)
+            reserved = torch.cuda.memory_reserved(device)
             torch.cuda.reset_peak_memory_stats(device)
         row: dict[str, Any] = {"workload": case.name, "variant": name}
         try:
@@ -370,16 +375,18 @@ def measure(
                 row["max_loss_diff"] = max(
                     abs(a - b) for a, b in zip(losses, reference, strict=True)
                 )
-            if cuda:  # warm-up and capture are done: what is held now, and the build's peak
+            if cuda:  # warm-up and capture are done: the build's peak, what stays reserved
                 sync(device)
-                held = torch.cuda.memory_allocated(device)
                 row["build_peak_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-                row["held_mib"] = (held - before) / 2**20
+                held = torch.cuda.memory_allocated(device)
+                torch.cuda.empty_cache()
+                row["resident_mib"] = (torch.cuda.memory_reserved(device) - reserved) / 2**20
                 torch.cuda.reset_peak_memory_stats(device)
             row.update(time_fn(run, warmup=warmup, iters=iters, device=device).as_dict())
             if cuda:
                 sync(device)
-                row["step_peak_mib"] = (torch.cuda.max_memory_allocated(device) - held) / 2**20
+                row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - held) / 2**20
+                row["footprint_mib"] = row["resident_mib"] + row["peak_mib"]
             if name.startswith("capture-step"):
                 row["capture"] = _capture_state()
             del run
@@ -392,15 +399,10 @@ def measure(
     for r in rows:
         r["vs_raw"] = ratio(r.get("median_ms"), by.get("raw-graph", {}).get("median_ms"))
         r["vs_eager"] = ratio(r.get("median_ms"), by.get("eager", {}).get("median_ms"))
-        r["mem_vs_raw"] = ratio(_footprint(r), _footprint(by.get("raw-graph", {})))
+        r["footprint_vs_raw"] = ratio(
+            r.get("footprint_mib"), by.get("raw-graph", {}).get("footprint_mib")
+        )
     return rows
-
-
-def _footprint(row: dict[str, Any]) -> float | None:
-    """Steady-state memory: what a variant holds plus one step's peak on top."""
-    if "held_mib" not in row or "step_peak_mib" not in row:
-        return None
-    return float(row["held_mib"] + row["step_peak_mib"])
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
@@ -414,7 +416,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         verdict = "—" if raw is None else ("met" if raw <= target else "NOT met")
         lines.append(
             f"{r['workload']}: capture-step {_x(raw)} of raw replay (target <= {target}x: {verdict}), "
-            f"{_x(r.get('vs_eager'))} of eager, memory (held + step peak) {_x(r.get('mem_vs_raw'))} of raw"
+            f"{_x(r.get('vs_eager'))} of eager, memory footprint {_x(r.get('footprint_vs_raw'))} of raw"
         )
     return lines
 
@@ -472,11 +474,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_append:
         notes = (
             "Median step times (CUDA events per call). raw-graph: the eager step captured by hand "
-            "in one torch.cuda.CUDAGraph, input copied in, replayed. held_mib: allocated after "
-            "warm-up and capture minus before the variant was built (model copy, optimizer "
-            "state, graph pools). step_peak_mib: peak during the timed steps above that. "
-            "build_peak_mib: peak from before the build through warm-up and capture (compile "
-            "workspace included; not step memory). mem_vs_raw: held + step peak over raw-graph's. "
+            "in one torch.cuda.CUDAGraph, input copied in, replayed. peak_mib: peak allocated "
+            "during the timed steps above what was allocated after warm-up and capture. "
+            "resident_mib: reserved after warm-up and capture beyond before the build (model "
+            "copy, optimizer state, graph pools whole). footprint_mib: resident + peak "
+            "(footprint_vs_raw: over raw-graph's). build_peak_mib: peak allocated from before "
+            "the build through warm-up and capture (compile workspace included; no step "
+            "memory). "
             f"{'Quick run. ' if args.quick else ''}\n\n" + "\n".join(f"- {line}" for line in lines)
         )
         path = append_results(
