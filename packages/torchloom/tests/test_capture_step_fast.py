@@ -356,3 +356,25 @@ def test_without_dynamos_cpp_checks_the_python_ones_catch_the_same(
         assert not check.matches((s.x, s.y))
     finally:
         torch.set_autocast_cache_enabled(True)
+
+
+def test_micro_steps_of_an_accumulation_switch_recordings_without_the_full_guard() -> None:
+    s = _Setup()
+    model = s.model
+
+    def micro_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.mse_loss(model(x), y) / 2
+        loss.backward()
+        return loss
+
+    step = CapturedStep(micro_step, torchloom.resolve_options(env={}), device=_NoopDevice())
+    slow_after: list[int] = []
+    for _ in range(6):
+        step(s.x, s.y)  # gradients None: the first micro-step's recording
+        step(s.x, s.y)  # gradients exist: the accumulating recording
+        s.opt.zero_grad()
+        slow_after.append(step._slow_calls)
+    stats = step.stats()
+    assert stats.recordings == 3 and stats.refusal is None, stats.format()  # as on CUDA
+    # Once both recordings exist, every call finds its recording through a per-call check.
+    assert slow_after[-1] == slow_after[-3], slow_after

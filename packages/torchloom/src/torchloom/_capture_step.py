@@ -256,6 +256,21 @@ class CapturedStep(Generic[P, R]):
         if self._refusal is not None:
             self._uncaptured += 1
             return self.fn(*args, **kwargs)
+        if len(self._recordings) > 1:
+            # Another recording's check, from its own last full match, may hold now (the
+            # micro-steps of an accumulation, alternating batch shapes): no full guard.
+            flat = (*args, *kwargs.values()) if kwargs else args
+            names = tuple(kwargs)
+            for other in self._recordings:
+                check = other.fast
+                if other is rec or check is None or check.keywords != names:
+                    continue
+                if check.matches(flat):
+                    self._last = other
+                    out = self._replay(other, flat, other.grad_fix)
+                    if out is not _HELD:
+                        return out  # type: ignore[no-any-return]
+                    break
         self._slow_calls += 1
         leaves, tree = tree_flatten((args, kwargs))
         return self._slow(args, kwargs, leaves, tree)
