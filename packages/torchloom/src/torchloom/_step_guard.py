@@ -239,7 +239,7 @@ _OPT_CONTAINERS = operator.attrgetter("param_groups", "state")
 _END = object()
 #: An expected gradient no call presents: the recording's fast check never holds.
 NEVER: Any = object()
-#: Values whose identity fixes their value (a mutable one is compared by value).
+#: Values whose identity does not fix their value: compared with a copy, by value.
 _MUTABLE = (list, dict, set, bytearray)
 
 
@@ -274,8 +274,8 @@ class FastCheck:
 
     It holds only if nothing that guard reads changed since: the arguments' (positional,
     then the keyword ones' values, their names in the same order) class, shape, dtype,
-    device and ``requires_grad`` (others: type and value), grad
-    mode, autocast and its cache (one C++ call) and the autocast dtypes, every guarded
+    device and ``requires_grad`` (others: type and value), grad mode, autocast and
+    its cache (one C++ call) and the autocast dtypes, every guarded
     object by identity (one pass over live dict views and lists at C speed, gradients
     included, ending in a sentinel so that a set that grew or shrank never matches),
     every guarded tensor's address (one C++ call) and ``requires_grad``, mutable
@@ -283,7 +283,8 @@ class FastCheck:
     objects compared by identity are held here, so no new object takes one's id.
     """
 
-    #: how many positional arguments, and the check of them (called with them)
+    #: how many arguments (positional, then keyword values), and their check (called
+    #: with them)
     nargs: int
     args_match: Callable[..., bool]
     global_state: Callable[[], bool]
@@ -311,7 +312,8 @@ class FastCheck:
     tracked: bool = True
 
     def matches(self, args: Sequence[Any]) -> bool:
-        """Whether a call with these positional arguments may replay now."""
+        """Whether a call with these arguments (positional, then keyword values) may
+        replay now."""
         try:
             if not (
                 len(args) == self.nargs
