@@ -32,7 +32,7 @@ from torchloom._step_refusals import (
     scaler_refusals,
     sync_refusal,
 )
-from torchloom._torch_compat import step_storage_use_count
+from torchloom._torch_compat import step_storage_counter
 
 HERE = __file__
 
@@ -387,7 +387,7 @@ def test_sync_refusal_names_the_users_line_and_op() -> None:
     line = _line_of(step_with_item, "stack = traceback.extract_stack()")
     assert reason.where == f"{HERE}:{line} in step_with_item"
     assert reason.op.startswith("stack = traceback.extract_stack()")
-    assert f"at {HERE}:{line}" in str(reason)
+    assert f"[sync_op] {HERE}:{line} in step_with_item: stack = " in str(reason)
 
 
 def test_sync_warning_becomes_a_refusal_at_the_users_line() -> None:
@@ -429,9 +429,14 @@ def test_or_error_message_names_the_step_and_the_switch() -> None:
     )
     err = torchloom.CaptureStepError(reason, "train_step")
     assert (
-        "capture_step train_step runs uncaptured: loss.item(): waits [sync_op] at train.py:3"
-        in (str(err))
+        "capture_step train_step runs uncaptured: [sync_op] train.py:3 in step: loss.item(): "
+        "waits (hint: keep .item() out)" in str(err)
     )
+    # The text is the shared refusal format (loom_sidefx.Refusal), the op leading the why.
+    from loom_sidefx import Refusal as Base
+
+    plain = torchloom.StepUnsupported(StepRefusal.SYNC_OP, "train.py:3 in step", "waits", "h")
+    assert str(plain) == Base.__str__(plain) == "[sync_op] train.py:3 in step: waits (hint: h)"
     assert "TORCHLOOM_CUDAGRAPH_OR_ERROR" in str(err)
     from loom_sidefx import Refusal, RefusalError
 
@@ -454,12 +459,12 @@ def _recording_with_output(static: torch.Tensor) -> _Recording:
         out_tree=None,
         outs=[static],
         out_watch=[],
-        params=[],
-        exit_grads=[],
-        exit_ids=[],
+        exit_pairs=[],
         held=[],
+        handed=[None],
     )
-    rec.out_watch = [(0, step_storage_use_count(static))]
+    count = step_storage_counter(static)
+    rec.out_watch = [(0, count, count())]
     return rec
 
 

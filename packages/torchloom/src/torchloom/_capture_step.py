@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar
@@ -37,13 +36,13 @@ from torchloom._options import LoomOptions, LoomOptionsError, resolve_options
 from torchloom._report import GraphRecordBuilder, new_record
 from torchloom._step_guard import (
     ANY_TENSOR,
-    FastKey,
+    NEVER,
+    FastCheck,
     GuardMismatch,
     StepGuard,
     StepProbe,
     StepTargets,
     find_targets,
-    mode_state,
     tree_flatten,
     tree_unflatten,
 )
@@ -61,8 +60,6 @@ from torchloom._step_refusals import (
 __all__ = ["CapturedStep", "CudaStepDevice", "StepDevice", "StepStats", "capture_step"]
 
 log = logging.getLogger("torchloom.capture_step")
-
-_GRAD = operator.attrgetter("grad")
 
 #: What ``_replay`` returns when it must not replay (a view of a held output would change).
 _HELD: Any = object()
@@ -119,20 +116,22 @@ class _Recording:
     fill: list[torch.Tensor]
     out_tree: Any
     outs: list[Any]
-    #: (position in ``outs``, use-count baseline) of each tensor output
-    out_watch: list[tuple[int, int]]
-    #: what each parameter's ``.grad`` is after the step
-    params: list[torch.Tensor]
-    exit_grads: list[torch.Tensor | None]
-    exit_ids: list[int]
+    #: (position in ``outs``, storage use count, its baseline) of each tensor output
+    out_watch: list[tuple[int, Callable[[], int], int]]
+    #: each parameter with what its ``.grad`` is after the step (set after a replay
+    #: reached through the full guard, which accepts any gradient where the step replaces it)
+    exit_pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
     #: every object the guard names by id, kept alive so that ids stay unique
     held: list[Any]
-    #: the per-call check (see ``StepProbe.fast_key``) and the gradients it expects
-    fast: FastKey | None = None
-    fast_grads: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
-    #: per positional argument, what the fast path compares (``None``: arguments
-    #: that are not flat go through the full guard)
-    arg_specs: list[Any] | None = None
+    #: the per-call check (``None``: arguments in containers go through the full
+    #: guard) and the gradients it expects
+    fast: FastCheck | None = None
+    fast_grads: list[Any] = dataclasses.field(default_factory=list)
+    #: the gradients a replay after the fast check must set: those it expects ``None``
+    #: and the step leaves a tensor (the first micro-step of an accumulation)
+    grad_fix: list[tuple[torch.Tensor, torch.Tensor | None]] = dataclasses.field(
+        default_factory=list
+    )
     #: the step returned one tensor (its output needs no unflattening)
     single_output: bool = False
     #: outputs are returned as copies (a view of an earlier alias was held)
@@ -235,56 +234,86 @@ class CapturedStep(Generic[P, R]):
         #: eager calls made for new guard sets after the first warm-up
         self._extra_warm = 0
         self._last_mismatch: GuardMismatch | None = None
+        #: calls that went past the per-call check (the full guard, warm-ups, captures)
+        self._slow_calls = 0
 
     # --- per call ----------------------------------------------------------------------------
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        rec = self._last  # None once refused
+        if rec is not None and rec.fast is not None:
+            fast = rec.fast
+            if kwargs:  # flat keyword arguments: leaves in call order, as pytree's
+                leaves: Sequence[Any] = (*args, *kwargs.values())
+                ok = tuple(kwargs) == fast.keywords and fast.matches(leaves)
+            else:
+                leaves = args
+                ok = not fast.keywords and fast.matches(args)
+            if ok:
+                out = self._replay(rec, leaves, rec.grad_fix)
+                if out is not _HELD:
+                    return out  # type: ignore[no-any-return]
         if self._refusal is not None:
             self._uncaptured += 1
             return self.fn(*args, **kwargs)
-        rec = self._last
-        if (
-            rec is not None
-            and rec.fast is not None
-            and not kwargs
-            and _args_match(rec.arg_specs, args)
-            and mode_state() == rec.guard.modes
-            and rec.probe.fast_matches(rec.fast)
-        ):
-            out = self._replay(rec, args)
-            if out is not _HELD:
-                return out  # type: ignore[no-any-return]
+        if len(self._recordings) > 1:
+            # Another recording's check, from its own last full match, may hold now (the
+            # micro-steps of an accumulation, alternating batch shapes): no full guard.
+            flat = (*args, *kwargs.values()) if kwargs else args
+            names = tuple(kwargs)
+            for other in self._recordings:
+                check = other.fast
+                if other is rec or check is None or check.keywords != names:
+                    continue
+                if check.matches(flat):
+                    self._last = other
+                    out = self._replay(other, flat, other.grad_fix)
+                    if out is not _HELD:
+                        return out  # type: ignore[no-any-return]
+                    break
+        self._slow_calls += 1
         leaves, tree = tree_flatten((args, kwargs))
         return self._slow(args, kwargs, leaves, tree)
 
-    def _replay(self, rec: _Recording, leaves: Sequence[Any]) -> Any:
-        """Replay ``rec`` for these arguments; ``_HELD`` when an output of the last
-        replay is held through a view that the replay would overwrite."""
-        if not self._protect_outputs(rec):
-            return _HELD
-        if rec.fill:
-            srcs = [leaves[i] for i in rec.arg_idx]
-            if len(srcs) == 1:
-                rec.fill[0].copy_(srcs[0])
+    def _replay(
+        self,
+        rec: _Recording,
+        leaves: Sequence[Any],
+        grads: list[tuple[torch.Tensor, torch.Tensor | None]],
+    ) -> Any:
+        """Replay ``rec`` for these arguments, then set each ``(p, g)`` of ``grads`` as
+        ``p.grad = g``; ``_HELD`` when an output of the last replay is held through a
+        view that the replay would overwrite."""
+        for _, count, baseline in rec.out_watch:
+            if count() != baseline:  # an output of the last replay is still referenced
+                if not self._protect_outputs(rec):
+                    return _HELD
+                break
+        fill = rec.fill
+        if fill:
+            if len(fill) == 1:
+                fill[0].copy_(leaves[rec.arg_idx[0]])
             else:
-                compat.step_foreach_copy_(rec.fill, srcs)
+                compat.step_foreach_copy_(fill, [leaves[i] for i in rec.arg_idx])
         rec.replay()
-        if list(map(id, map(_GRAD, rec.params))) != rec.exit_ids:
-            for p, g in zip(rec.params, rec.exit_grads, strict=True):
-                if p.grad is not g:
-                    p.grad = g
+        for p, g in grads:
+            p.grad = g
         self._replays += 1
+        if rec.single_output:
+            if rec.clone_outputs:
+                return rec.outs[0].clone()
+            alias = rec.outs[0].detach()
+            rec.handed[0] = weakref.ref(alias)
+            return alias
         outs = list(rec.outs)
-        if rec.clone_outputs:
-            for pos, _ in rec.out_watch:
+        handed = rec.handed
+        for pos, _, _ in rec.out_watch:
+            if rec.clone_outputs:
                 outs[pos] = outs[pos].clone()
-        else:
-            handed: list[weakref.ref[torch.Tensor] | None] = [None] * len(outs)
-            for pos, _ in rec.out_watch:
+            else:
                 outs[pos] = alias = outs[pos].detach()
                 handed[pos] = weakref.ref(alias)
-            rec.handed = handed
-        return outs[0] if rec.single_output else tree_unflatten(outs, rec.out_tree)
+        return tree_unflatten(outs, rec.out_tree)
 
     def _protect_outputs(self, rec: _Recording) -> bool:
         """Move each output of the last replay that the caller still holds to fresh
@@ -292,8 +321,8 @@ class CapturedStep(Generic[P, R]):
         view of one is held too (it cannot be moved)."""
         if rec.clone_outputs:
             return True
-        for pos, baseline in rec.out_watch:
-            extra = compat.step_storage_use_count(rec.outs[pos]) - baseline
+        for pos, count, baseline in rec.out_watch:
+            extra = count() - baseline
             if extra == 0:
                 continue
             ref = rec.handed[pos] if pos < len(rec.handed) else None
@@ -320,9 +349,9 @@ class CapturedStep(Generic[P, R]):
         probe = StepProbe(self._targets)
         for rec in self._recordings:
             if rec.guard.mismatch(rec.probe.read(leaves, tree)) is None:
-                rec.fast = rec.probe.fast_key(rec.probe.fast_objects(), rec.fast_grads)
+                rec.fast = self._fast_check(rec, args, kwargs, leaves)
                 self._last = rec
-                out = self._replay(rec, leaves)
+                out = self._replay(rec, leaves, rec.exit_pairs)
                 if out is not _HELD:
                     return out  # type: ignore[no-any-return]
                 return self._record_again_cloning(rec, args, kwargs, leaves, tree)
@@ -490,6 +519,13 @@ class CapturedStep(Generic[P, R]):
                 p.grad = g
             raise
         exit_grads = [p.grad for p in params]
+        # What the next call must find for the fast check: the gradient this replay
+        # leaves, or None where the step starts from None; where the step needs a
+        # gradient it finds (any tensor) but leaves None, no state after a replay fits.
+        fast_grads = [
+            None if e is None else NEVER if x is None else x
+            for e, x in zip(entry, exit_grads, strict=True)
+        ]
         out_single = isinstance(out, torch.Tensor)
         out_leaves, out_tree = tree_flatten(out)
         del out
@@ -510,16 +546,22 @@ class CapturedStep(Generic[P, R]):
             out_tree=out_tree,
             outs=outs,
             out_watch=[],
-            params=params,
-            exit_grads=exit_grads,
-            exit_ids=list(map(id, exit_grads)),
+            exit_pairs=list(zip(params, exit_grads, strict=True)),
             held=probe.held(),
+            fast_grads=fast_grads,
+            grad_fix=[
+                (p, x)
+                for p, f, x in zip(params, fast_grads, exit_grads, strict=True)
+                if f is not x and f is not NEVER
+            ],
+            handed=[None] * len(outs),
         )
-        rec.out_watch = [
-            (k, compat.step_storage_use_count(o))
+        counters = [
+            (k, compat.step_storage_counter(o))
             for k, o in enumerate(outs)
             if isinstance(o, torch.Tensor)
         ]
+        rec.out_watch = [(k, count, count()) for k, count in counters]
         if self._recordings and not again:
             self._rerecords.append(str(self._last_mismatch or "a new guard set"))
         self._recordings.append(rec)
@@ -531,11 +573,9 @@ class CapturedStep(Generic[P, R]):
         )
         log.debug("capture_step %s: recorded (%d)", self._name, len(self._recordings))
         rec.clone_outputs = self._clone_outputs
-        rec.arg_specs = _arg_specs(args, kwargs, leaves)
         rec.single_output = len(outs) == 1 and out_single
-        result = self._replay(rec, leaves)
-        rec.fast_grads = [None if e is None else x for e, x in zip(entry, exit_grads, strict=True)]
-        rec.fast = probe.fast_key(probe.fast_objects(), rec.fast_grads)
+        result = self._replay(rec, leaves, rec.exit_pairs)
+        rec.fast = self._fast_check(rec, args, kwargs, leaves)
         host = [type(o).__name__ for o in outs if o is not None and not isinstance(o, torch.Tensor)]
         after = probe.read(leaves, tree)
         changed = current.mismatch(after, ignore_grads=True)
@@ -552,6 +592,16 @@ class CapturedStep(Generic[P, R]):
         elif changed is not None:
             self._refuse(_python_state(self.fn, changed))
         return result  # type: ignore[no-any-return]
+
+    def _fast_check(
+        self, rec: _Recording, args: Sequence[Any], kwargs: Any, leaves: Sequence[Any]
+    ) -> FastCheck | None:
+        """The per-call check of ``rec`` from this call (whose full guard held), when its
+        arguments are flat (positional and keyword arguments, no containers)."""
+        flat = (*args, *kwargs.values())
+        if len(leaves) != len(flat) or any(a is not v for a, v in zip(flat, leaves, strict=True)):
+            return None
+        return rec.probe.fast_check(flat, rec.fast_grads, tuple(kwargs))
 
     def _budget_spent(self, current: StepGuard) -> None:
         self._budget_skips += 1
@@ -621,36 +671,6 @@ class CapturedStep(Generic[P, R]):
             rerecords=tuple(self._rerecords),
             budget_skips=self._budget_skips,
         )
-
-
-def _arg_specs(args: Sequence[Any], kwargs: Any, leaves: Sequence[Any]) -> list[Any] | None:
-    """What the fast path compares per positional argument, when the arguments
-    are flat (no keywords, no containers); ``None`` otherwise."""
-    if (
-        kwargs
-        or len(leaves) != len(args)
-        or any(a is not v for a, v in zip(args, leaves, strict=True))
-    ):
-        return None
-    return [_arg_spec(a) for a in args]
-
-
-def _arg_spec(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return (a.shape, a.dtype, a.device, a.requires_grad)
-    return (type(a), a)
-
-
-def _args_match(specs: list[Any] | None, args: Sequence[Any]) -> bool:
-    if specs is None or len(specs) != len(args):
-        return False
-    for spec, a in zip(specs, args, strict=True):
-        if isinstance(a, torch.Tensor):
-            if spec != (a.shape, a.dtype, a.device, a.requires_grad):
-                return False
-        elif type(a) is not spec[0] or a != spec[1]:
-            return False
-    return True
 
 
 def _python_state(fn: Callable[..., Any], changed: GuardMismatch) -> StepUnsupported:

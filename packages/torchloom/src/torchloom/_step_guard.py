@@ -8,7 +8,9 @@ state tensors and hyperparameters, and whether each parameter's gradient exists.
 :class:`StepProbe` reads all of it as a :class:`StepGuard`; a recording keeps the
 guard of its capture and replays only when :meth:`StepGuard.mismatch` of the
 current one is ``None``. Identity is ``id()``: the recording holds every object
-it guards, so an id cannot be reused while the guard lives.
+it guards, so an id cannot be reused while the guard lives. Per call, a
+:class:`FastCheck` (precomputed from a call whose guard held) answers the same
+question at C speed; only when it fails is the guard read again.
 
 Which modules and optimizers a step uses is found once, from the step function's
 closure, defaults, bound ``self`` and the globals its code names
@@ -17,6 +19,7 @@ closure, defaults, bound ``self`` and the globals its code names
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -24,7 +27,7 @@ import inspect
 import itertools
 import operator
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +37,8 @@ from torchloom import _torch_compat as compat
 
 __all__ = [
     "ANY_TENSOR",
-    "FastKey",
+    "NEVER",
+    "FastCheck",
     "GuardKind",
     "GuardMismatch",
     "StepGuard",
@@ -144,7 +148,8 @@ class StepGuard:
     """Everything a replay depends on, read at one call.
 
     ``objects``, ``pointers``, ``requires_grad`` and ``hyper`` come from the
-    step's modules and optimizers; ``names`` says what each object is (for
+    step's modules and optimizers (``requires_grad``: of the modules' and the
+    step's own tensors, not of optimizer state); ``names`` says what each object is (for
     messages; not compared). ``grads`` holds, per parameter, ``None`` or the
     gradient's ``(id, data_ptr)``; a recording's guard may hold :data:`ANY_TENSOR`
     where the step replaces the gradient it finds.
@@ -226,18 +231,127 @@ def _leaf_spec(v: Any) -> Any:
 
 _GRAD = operator.attrgetter("grad")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+#: What the per-call check compares of a tensor argument (the class: a stand-in with the
+#: same attributes is no tensor).
+_TENSOR_KEY = operator.attrgetter("__class__", "shape", "dtype", "device", "requires_grad")
+_OPT_CONTAINERS = operator.attrgetter("param_groups", "state")
+#: Ends every object stream of :class:`FastCheck`: a longer or shorter stream never matches.
+_END = object()
+#: An expected gradient no call presents: the recording's fast check never holds.
+NEVER: Any = object()
+#: Values whose identity does not fix their value: compared with a copy, by value.
+_MUTABLE = (list, dict, set, bytearray)
+
+
+def _value_key(v: Any) -> tuple[type, Any]:
+    return (type(v), v)
+
+
+def _arg_key(v: Any) -> Callable[[Any], Any]:
+    return _TENSOR_KEY if isinstance(v, torch.Tensor) else _value_key
+
+
+def _args_check(args: Sequence[Any]) -> Callable[..., bool]:
+    """A check that arguments (passed positionally, as many as ``args``) are like
+    ``args``: one C++ call where all are tensors, else per argument in C-level maps."""
+    if args and all(type(a) is torch.Tensor for a in args):
+        check = compat.step_tensors_check(args)
+        if check is not None:
+            return check
+    keys = tuple(map(_arg_key, args))
+    specs = [key(a) for key, a in zip(keys, args, strict=True)]
+
+    def match(*now: Any) -> bool:
+        return list(map(operator.call, keys, now)) == specs
+
+    return match
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class FastKey:
-    """The per-call check of a recording: the ids and addresses of every object its
-    guard reads (gradients as the next call must find them), held alive here."""
+class FastCheck:
+    """The per-call check of a recording, precomputed from a call whose full
+    :class:`StepGuard` matched (its capture, or a replay after a full check).
 
-    ids: list[int]
-    pointers: list[int | None]
-    positions: list[int]
-    requires_grad: tuple[bool, ...]
+    It holds only if nothing that guard reads changed since: the arguments' (positional,
+    then the keyword ones' values, their names in the same order) class, shape, dtype,
+    device and ``requires_grad`` (others: type and value), grad mode, autocast and
+    its cache (one C++ call) and the autocast dtypes, every guarded
+    object by identity (one pass over live dict views and lists at C speed, gradients
+    included, ending in a sentinel so that a set that grew or shrank never matches),
+    every guarded tensor's address (one C++ call) and ``requires_grad``, mutable
+    hyperparameter values by value, and each gradient scaler's enabled flag. The
+    objects compared by identity are held here, so no new object takes one's id.
+    """
+
+    #: how many arguments (positional, then keyword values), and their check (called
+    #: with them)
+    nargs: int
+    args_match: Callable[..., bool]
+    global_state: Callable[[], bool]
+    autocast_dtypes: tuple[torch.dtype, torch.dtype]
+    #: the guarded objects now, in a fixed order (a fresh iterator per call)
+    stream: Callable[[], Iterator[Any]] = dataclasses.field(repr=False)
     held: list[Any] = dataclasses.field(repr=False)
+    tensors: list[torch.Tensor] = dataclasses.field(repr=False)
+    pointers: list[int | None] = dataclasses.field(repr=False)
+    indices: list[int] = dataclasses.field(repr=False)
+    #: tensors whose ``requires_grad`` the full guard compares, and their flags
+    flagged: list[torch.Tensor] = dataclasses.field(repr=False)
+    requires_grad: list[bool] = dataclasses.field(repr=False)
+    #: mutable hyperparameter or state values, and copies of them
+    values: list[Any] = dataclasses.field(repr=False)
+    snapshots: list[Any] = dataclasses.field(repr=False)
+    scalers: tuple[Any, ...] = ()
+    scalers_enabled: list[bool] = dataclasses.field(default_factory=list)
+    #: the names of the keyword arguments, in call order (their values end the arguments)
+    keywords: tuple[str, ...] = ()
+    #: module dicts that were empty (compared by length)
+    empty: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: whether any object, tensor, value or scaler is guarded (else arguments and modes
+    #: are the whole check)
+    tracked: bool = True
+
+    def matches(self, args: Sequence[Any]) -> bool:
+        """Whether a call with these arguments (positional, then keyword values) may
+        replay now."""
+        try:
+            if not (
+                len(args) == self.nargs
+                and self.args_match(*args)
+                and self.global_state()
+                and torch.get_autocast_dtype("cuda") == self.autocast_dtypes[0]
+                and torch.get_autocast_dtype("cpu") == self.autocast_dtypes[1]
+            ):
+                return False
+            if not self.tracked:
+                return True
+            return (
+                all(map(operator.is_, self.stream(), self.held))
+                and not any(map(len, self.empty))
+                and compat.step_data_ptrs_equal(self.tensors, self.pointers, self.indices)
+                and list(map(_REQUIRES_GRAD, self.flagged)) == self.requires_grad
+                and (not self.values or self.values == self.snapshots)
+                and (not self.scalers or _scalers_enabled(self.scalers) == self.scalers_enabled)
+            )
+        except Exception:  # an argument whose == raises, an emptied closure cell: full guard
+            return False
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of a mutable hyperparameter value to compare the live one with later
+    (the value itself where it cannot be copied)."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # an uncopyable object: compared with itself, by identity
+        return value
+
+
+def _scalers_enabled(scalers: Iterable[Any]) -> list[bool]:
+    return [bool(getattr(s, "is_enabled", lambda: False)()) for s in scalers]
+
+
+def _unique_tensors(values: Iterable[Any]) -> list[torch.Tensor]:
+    return list({id(v): v for v in values if isinstance(v, torch.Tensor)}.values())
 
 
 class StepProbe:
@@ -273,51 +387,65 @@ class StepProbe:
         self._param_names = tuple(
             pnames.get(id(p), f"parameter #{i}") for i, p in enumerate(self.params)
         )
-        self._views: list[Iterable[Any]] | None = None
 
-    def fast_objects(self) -> list[Any]:
-        """Every object the guard reads, in a fixed order, gathered at C speed (live
-        dict views and lists): what :class:`FastKey` compares by id and address.
-        The gradients come last, one per parameter."""
-        if self._views is None:
-            views: list[Iterable[Any]] = [d.values() for d, _ in self._dicts]
-            for _, opt in self.targets.optimizers:
-                views += [opt.param_groups, opt.state.values()]
-                for group in opt.param_groups:
-                    views += [group.values(), group["params"]]
-                for state in opt.state.values():
-                    views.append(state.values())
-            self._views = views
-        objs = list(itertools.chain.from_iterable(self._views))
-        objs += [read() for _, read in self.targets.roots]
-        for _, opt in self.targets.optimizers:
-            objs += (opt.param_groups, opt.state)
-        objs += [t for _, t in self.targets.tensors]
-        objs += map(_GRAD, self.params)
-        return objs
+    def fast_check(
+        self, args: Sequence[Any], grads: Sequence[Any], keywords: tuple[str, ...] = ()
+    ) -> FastCheck:
+        """The :class:`FastCheck` of the state now, for flat arguments ``args`` (the
+        positional ones, then the values of the keyword ones named ``keywords``), with
+        ``grads`` (one per parameter: a tensor, ``None`` or :data:`NEVER`) as the
+        gradients the next call must find. Call it only where the full guard holds."""
+        # An empty module dict (a leaf's submodules, most buffers) costs a length, not a view.
+        views: list[Iterable[Any]] = [d.values() for d, _ in self._dicts if d]
+        empty = [d for d, _ in self._dicts if not d]
+        values: list[Any] = []
+        inner: list[torch.Tensor] = []
+        opts = tuple(opt for _, opt in self.targets.optimizers)
+        for opt in opts:
+            views += [opt.param_groups, opt.state.keys(), opt.state.values()]
+            for group in opt.param_groups:
+                views += [group.values(), group["params"]]
+                _fast_values((v for k, v in group.items() if k != "params"), views, values, inner)
+            for state in opt.state.values():
+                views.append(state.values())
+                _fast_values(state.values(), views, values, inner)
+        reads = tuple(read for _, read in self.targets.roots)
+        params = tuple(self.params)
+        end = (_END,)
 
-    def fast_key(self, objs: list[Any], grads: Sequence[Any]) -> FastKey:
-        """The fast key of ``objs`` (from :meth:`fast_objects`) with ``grads`` in
-        place of the gradients found."""
-        n = len(objs) - len(self.params)
-        held = [*objs[:n], *grads]
-        pos = [i for i, v in enumerate(held) if isinstance(v, torch.Tensor)]
-        return FastKey(
-            ids=list(map(id, held)),
-            pointers=[v.data_ptr() if isinstance(v, torch.Tensor) else None for v in held],
-            positions=pos,
-            requires_grad=tuple(map(_REQUIRES_GRAD, self.params)),
+        def stream() -> Iterator[Any]:
+            return itertools.chain(
+                itertools.chain.from_iterable(views),
+                map(operator.call, reads),
+                itertools.chain.from_iterable(map(_OPT_CONTAINERS, opts)),
+                map(_GRAD, params),
+                end,
+            )
+
+        now = list(stream())
+        held = [*now[: len(now) - len(params) - 1], *grads, _END]
+        flagged = _unique_tensors([*self._module_tensors(), *(t for _, t in self.targets.tensors)])
+        tensors = _unique_tensors([*now[: len(now) - len(params) - 1], *inner, *flagged, *grads])
+        scalers = tuple(s for _, s in self.targets.scalers)
+        return FastCheck(
+            nargs=len(args),
+            args_match=_args_check(args),
+            keywords=keywords,
+            global_state=compat.step_global_state(mode_state),
+            autocast_dtypes=(torch.get_autocast_dtype("cuda"), torch.get_autocast_dtype("cpu")),
+            stream=stream,
             held=held,
-        )
-
-    def fast_matches(self, key: FastKey) -> bool:
-        """Whether nothing the guard reads changed since ``key`` was made: the same
-        objects (by id; ``key`` holds them), at the same addresses."""
-        objs = self.fast_objects()
-        return (
-            list(map(id, objs)) == key.ids
-            and compat.step_data_ptrs_equal(objs, key.pointers, key.positions)
-            and tuple(map(_REQUIRES_GRAD, self.params)) == key.requires_grad
+            tensors=tensors,
+            pointers=[t.data_ptr() for t in tensors],
+            indices=list(range(len(tensors))),
+            flagged=flagged,
+            requires_grad=list(map(_REQUIRES_GRAD, flagged)),
+            values=values,
+            snapshots=[_snapshot(v) for v in values],
+            scalers=scalers,
+            scalers_enabled=_scalers_enabled(scalers),
+            empty=empty,
+            tracked=bool(len(held) > 1 or empty or tensors or values or scalers),
         )
 
     def _module_tensors(self) -> list[Any]:
@@ -344,6 +472,9 @@ class StepProbe:
         for _, t in self.targets.tensors:
             objects.append(t)
             tensors.append(t)
+        # requires_grad matters for what the forward and backward record: the modules'
+        # tensors and the step's own (an optimizer's state is updated under no_grad).
+        flagged = len(tensors)
         if named:
             opt_names += [name for name, _ in self.targets.roots]
             opt_names += [name for name, _ in self.targets.tensors]
@@ -409,7 +540,7 @@ class StepProbe:
             modes=mode_state(),
             objects=tuple(map(id, objects)),
             pointers=tuple(t.data_ptr() for t in tensors),
-            requires_grad=tuple(t.requires_grad for t in tensors),
+            requires_grad=tuple(t.requires_grad for t in tensors[:flagged]),
             hyper=tuple(hyper),
             grads=grads,
             names=(*self._names, *opt_names) if named else (),
@@ -474,9 +605,26 @@ def _split_value(
                 named,
             )
     else:
-        hyper.append(value)
+        # A mutable value (a list of floats) is kept as a copy: the live one, changed in
+        # place, would still compare equal to itself.
+        hyper.append(_snapshot(value) if isinstance(value, _MUTABLE) else value)
         if named:
             hyper_names.append(name)
+
+
+def _fast_values(
+    found: Iterable[Any], views: list[Iterable[Any]], values: list[Any], inner: list[torch.Tensor]
+) -> None:
+    """What :class:`FastCheck` compares of hyperparameter and state values besides their
+    identity: the elements of a list or tuple holding tensors (a list's live, as a view;
+    their addresses), and the value of any other mutable value."""
+    for v in found:
+        if isinstance(v, tuple | list) and any(isinstance(x, torch.Tensor) for x in v):
+            inner += [x for x in v if isinstance(x, torch.Tensor)]
+            if isinstance(v, list):
+                views.append(v)
+        elif isinstance(v, _MUTABLE):
+            values.append(v)
 
 
 # --- finding a step's modules and optimizers ---------------------------------------------

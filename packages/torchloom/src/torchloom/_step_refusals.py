@@ -69,18 +69,20 @@ class StepRefusal(enum.Enum):
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepUnsupported(Refusal[StepRefusal]):
     """What was refused, where (the user's ``file:line``), why, what to do instead
-    (a ``loom_sidefx.Refusal``); ``op`` names the operation or its source line."""
+    (a ``loom_sidefx.Refusal``, formatted as every refusal is); ``op`` names the
+    operation or its source line and leads the explanation."""
 
     op: str = ""
     #: Whether CUDA work runs uncaptured because of it (False on a host-only step).
     cuda_work: bool = True
 
     def __str__(self) -> str:
-        head = f"{self.op}: " if self.op else ""
-        text = f"{head}{self.explanation} [{self.kind.value}]"
-        if self.where:
-            text += f" at {self.where}"
-        return f"{text} (hint: {self.hint})" if self.hint else text
+        """The shared refusal text, ``[kind] where: op: explanation (hint: ...)``."""
+        if not self.op:
+            return Refusal.__str__(self)
+        return Refusal.__str__(
+            dataclasses.replace(self, explanation=f"{self.op}: {self.explanation}", op="")
+        )
 
 
 class CaptureStepError(RefusalError, RuntimeError):
