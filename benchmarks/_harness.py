@@ -190,6 +190,27 @@ def peak_memory(fn: Callable[[], object], device: DeviceLike) -> int | None:
     return int(torch.cuda.max_memory_allocated(dev) - baseline)
 
 
+def reserved_memory(device: DeviceLike) -> int | None:
+    """CUDA bytes the caching allocator keeps reserved now, after a collection and
+    ``empty_cache`` (CUDA-graph pools count whole; ``None`` on CPU).
+
+    cuBLAS's cached per-stream workspaces are dropped first: any matmul outside a
+    capture re-creates them, and a capture (CUDA-graph trees', loom's) clears
+    them, so whether they exist at a reading depends on which variant ran last,
+    not on what the variant being measured holds.
+    """
+    if not _is_cuda(device):
+        return None
+    dev = torch.device(device)
+    sync(dev)
+    gc.collect()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved(dev))
+
+
 @contextlib.contextmanager
 def fresh_inductor_cache() -> Iterator[str]:
     """Fresh, empty compile caches for cold compiles: Inductor's, Triton's and loom's.

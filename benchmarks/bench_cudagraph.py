@@ -18,7 +18,12 @@ Workloads: the foundation's launch-bound ones (batch-8 MLP inference, MLP and
 GPT-stack training steps, batch-1 GPT inference), a one-kernel graph (the
 runtime's own cost per call) and a graph with a CPU op in the middle. Reported:
 median step times, ratios to ``raw-graph``, ``inductor-ro`` and ``inductor``,
-peak memory against ``inductor-ro``, and loom's capture coverage.
+memory against ``inductor-ro`` and loom's capture coverage. Memory, as in
+``bench_hf``: ``peak_mib`` is one warm step's peak allocation above what was
+allocated before it; ``resident_mib`` what the variant keeps reserved after its
+first calls beyond the reading before its build (CUDA-graph pools count whole;
+read by ``_harness.reserved_memory``); ``footprint_mib`` their sum, the memory
+the step needs, and ``footprint_vs_ro`` its ratio to reduce-overhead's.
 
 Targets (GPU): loom-cg <= inductor-ro and <= 1.15x raw-graph on the foundation
 workloads; the runtime's own cost (``loom-cg runtime``) <= 1.5x raw-graph on the
@@ -48,7 +53,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import Timing, append_results, format_table, parse_args, peak_memory, ratio, time_fn
+from _harness import (
+    Timing,
+    append_results,
+    format_table,
+    parse_args,
+    peak_memory,
+    ratio,
+    reserved_memory,
+    time_fn,
+)
 from workloads import size_for, step, workloads
 
 from loom_cudagraph import CudagraphRuntime
@@ -181,6 +195,7 @@ def measure(case: Case, device: torch.device, quick: bool, iters: int) -> list[d
     for name, build in variants.items():
         torch._dynamo.reset()
         first = len(cudagraph_stats())
+        before = reserved_memory(device)
         try:
             inner = build()
 
@@ -192,13 +207,18 @@ def measure(case: Case, device: torch.device, quick: bool, iters: int) -> list[d
                 run()
             timing = time_fn(run, warmup=warmup, iters=iters, device=device)
             mem = peak_memory(run, device)
+            held = reserved_memory(device)
             row: dict[str, Any] = {"workload": case.name, "variant": name, **timing.as_dict()}
             row["peak_mib"] = None if mem is None else mem / 2**20
+            if mem is not None and held is not None and before is not None:
+                row["resident_mib"] = (held - before) / 2**20
+                row["footprint_mib"] = row["resident_mib"] + row["peak_mib"]
             if name == "loom-cg":
                 row["coverage"] = _loom_coverage(first)
                 runtime = _runtime_step(run)
                 if runtime is not None:
                     floor["loom-cg runtime"] = runtime
+            del inner, run  # NOTE: the next variant's baseline excludes this one's pools
         except Exception as exc:  # a failing variant is a row, not a lost run
             row = {"workload": case.name, "variant": name, "error": repr(exc)[:200]}
         print(f"  {case.name:<14} {name:<16} {row.get('median_ms', row.get('error'))}", flush=True)
@@ -219,6 +239,9 @@ def measure(case: Case, device: torch.device, quick: bool, iters: int) -> list[d
         r["vs_inductor"] = ratio(r.get("median_ms"), by.get("inductor", {}).get("median_ms"))
     if "peak_mib" in loom and "inductor-ro" in by:
         loom["peak_vs_ro"] = ratio(loom.get("peak_mib"), by["inductor-ro"].get("peak_mib"))
+        loom["footprint_vs_ro"] = ratio(
+            loom.get("footprint_mib"), by["inductor-ro"].get("footprint_mib")
+        )
     return rows
 
 
@@ -256,7 +279,8 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"{r['workload']}: loom-cg {_x(raw)} of raw replay "
                 f"({_v(raw, FOUNDATION_TARGET_RAW)}), {_x(ro)} of reduce-overhead ({_v(ro, 1.0)}), "
-                f"peak memory {_x(r.get('peak_vs_ro'))} of reduce-overhead; "
+                f"peak memory {_x(r.get('peak_vs_ro'))} and footprint "
+                f"{_x(r.get('footprint_vs_ro'))} of reduce-overhead; "
                 f"the runtime alone {_x(own)} of raw replay"
             )
         elif kind == "one_kernel":

@@ -64,6 +64,7 @@ from _harness import (
     fresh_inductor_cache,
     parse_args,
     peak_memory,
+    reserved_memory,
     time_fn,
     time_once,
 )
@@ -310,12 +311,7 @@ def run_workload(
 
 
 def _reserved(device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    gc.collect()
-    torch.cuda.empty_cache()
-    return int(torch.cuda.memory_reserved(device))
+    return reserved_memory(device)
 
 
 def _footprint_vs_ro(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
