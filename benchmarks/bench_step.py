@@ -375,17 +375,20 @@ def measure(
                 row["max_loss_diff"] = max(
                     abs(a - b) for a, b in zip(losses, reference, strict=True)
                 )
-            if cuda:  # warm-up and capture are done: the build's peak, what stays reserved
+            if cuda:  # warm-up and capture are done: the build's peak
                 sync(device)
                 row["build_peak_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
                 held = torch.cuda.memory_allocated(device)
-                torch.cuda.empty_cache()
-                row["resident_mib"] = (torch.cuda.memory_reserved(device) - reserved) / 2**20
                 torch.cuda.reset_peak_memory_stats(device)
             row.update(time_fn(run, warmup=warmup, iters=iters, device=device).as_dict())
             if cuda:
                 sync(device)
                 row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - held) / 2**20
+                # NOTE: read last, and nothing replays after it: the hand-captured
+                # raw graph failed its next replay with an illegal memory access
+                # once empty_cache() had run between its replays (H100, 2.11).
+                torch.cuda.empty_cache()
+                row["resident_mib"] = (torch.cuda.memory_reserved(device) - reserved) / 2**20
                 row["footprint_mib"] = row["resident_mib"] + row["peak_mib"]
             if name.startswith("capture-step"):
                 row["capture"] = _capture_state()
