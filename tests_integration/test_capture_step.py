@@ -118,6 +118,38 @@ def test_mlp_step_matches_eager(cuda: torch.device, make_opt: MakeOpt, set_to_no
     assert [e.kind for e in torchloom.report().entries("capture_step")] == ["recorded"]
 
 
+def test_empty_cache_between_replays_keeps_the_step_right(cuda: torch.device) -> None:
+    """Users call torch.cuda.empty_cache() between steps: nothing a replay reads
+    may be memory the allocator counts as free."""
+    (m1, o1), (m2, o2) = _pair(cuda, _adamw)
+    step = torchloom.capture_step(_standard_step(m2, o2))
+    eager = _standard_step(m1, o1)
+    for i in range(8):
+        torch.cuda.empty_cache()
+        junk = [torch.full((1 << 20,), 7.0, device=cuda) for _ in range(4)]
+        x, y = _batch(i, cuda)
+        torch.testing.assert_close(step(x, y), eager(x, y), **TOL)
+        del junk
+    torch.cuda.synchronize()
+    _assert_same_params(m1, m2)
+    assert step.stats().replays == 5, step.stats().format()
+
+
+def test_empty_cache_between_steps_of_a_loom_cudagraph_model(cuda: torch.device) -> None:
+    (m1, o1), (m2, o2) = _pair(cuda, _adamw)
+    compiled = torch.compile(m2, backend="loom", options={"cudagraphs": True})
+    for i in range(6):
+        torch.cuda.empty_cache()
+        x, y = _batch(i, cuda)
+        for model, opt in ((m1, o1), (compiled, o2)):
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+    torch.cuda.synchronize()
+    _assert_same_params(m1, m2)
+
+
 def test_changed_batch_size_records_again(cuda: torch.device) -> None:
     (m1, o1), (m2, o2) = _pair(cuda)
     step = torchloom.capture_step(_standard_step(m2, o2))
