@@ -338,7 +338,7 @@ def _item_step(model: nn.Module, opt: torch.optim.Optimizer, log: list[float]) -
     return logging_step
 
 
-def test_item_in_the_step_is_refused_at_warm_up_with_the_users_line(cuda: torch.device) -> None:
+def test_item_in_the_step_is_refused_with_the_users_line(cuda: torch.device) -> None:
     (m1, o1), (m2, o2) = _pair(cuda)
     l1: list[float] = []
     l2: list[float] = []
@@ -352,14 +352,18 @@ def test_item_in_the_step_is_refused_at_warm_up_with_the_users_line(cuda: torch.
     line = first + next(k for k, s in enumerate(lines) if "loss.item()" in s)
     assert reason.where == f"{HERE}:{line} in logging_step"
     assert "loss.item()" in reason.op
-    assert step.stats().warmup_calls == 1 and step.stats().replays == 0
+    # seen in the warm-ups; the capture is still tried (code may skip a sync under
+    # capture), fails on the sync, and the refusal names the warm-up's
+    assert step.stats().warmup_calls == 3 and step.stats().replays == 0
 
 
 def test_item_raises_under_or_error(cuda: torch.device) -> None:
     (_, _), (m2, o2) = _pair(cuda)
     step = torchloom.capture_step(_item_step(m2, o2, []), cudagraph_or_error=True)
+    for i in range(3):  # the warm-ups
+        step(*_batch(i, cuda))
     with pytest.raises(torchloom.CaptureStepError, match=r"\[sync_op\] .*loss\.item\(\)"):
-        step(*_batch(0, cuda))
+        step(*_batch(3, cuda))
 
 
 def test_non_capturable_adamw_is_refused_naming_the_fix(cuda: torch.device) -> None:

@@ -548,14 +548,24 @@ class HostStepDevice:
 
     type = "cpu"
 
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, fail: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        opt: torch.optim.Optimizer,
+        fail: bool = False,
+        warm_sync: Any = None,
+    ) -> None:
         self.model, self.opt, self.fail = model, opt, fail
+        #: a synchronization every warm-up reports (as CUDA's sync debug mode would)
+        self.warm_sync = warm_sync
         self.captures = 0
 
     def available(self) -> bool:
         return True
 
     def warm_up(self, fn: Callable[[], Any], syncs: list[Any]) -> Any:
+        if self.warm_sync is not None:
+            syncs.append(self.warm_sync)
         return fn()
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
@@ -591,6 +601,7 @@ class HostStepDevice:
 def _host_pair(
     make_step: Callable[[nn.Module, torch.optim.Optimizer], Callable[..., Any]] = _make_step,
     fail: bool = False,
+    warm_sync: Any = None,
     **options: Any,
 ) -> tuple[
     Callable[..., Any],
@@ -602,7 +613,7 @@ def _host_pair(
     m1, m2 = _mlp(), _mlp()
     o1 = torch.optim.SGD(m1.parameters(), lr=0.05, momentum=0.9)
     o2 = torch.optim.SGD(m2.parameters(), lr=0.05, momentum=0.9)
-    device = HostStepDevice(m2, o2, fail)
+    device = HostStepDevice(m2, o2, fail, warm_sync)
     step = CapturedStep(
         make_step(m2, o2), torchloom.resolve_options(options=options, env={}), device=device
     )
@@ -767,6 +778,33 @@ def test_host_capture_failure_restores_gradients_and_runs_eagerly() -> None:
     reason = step.stats().refusal
     assert reason is not None and reason.kind is StepRefusal.CAPTURE_FAILED
     assert "operation not permitted" in reason.explanation
+
+
+_WARM_SYNC = torchloom.StepUnsupported(
+    StepRefusal.SYNC_OP, "masks.py:9 in find_packed", "waits", "hint", "mask.all()"
+)
+
+
+def test_host_sync_only_in_warm_up_still_captures() -> None:
+    """Libraries skip their data-dependent checks under capture (transformers'
+    masks): a warm-up's sync is no refusal when the capture succeeds."""
+    eager, step, (m1, _), (m2, _), device = _host_pair(warm_sync=_WARM_SYNC)
+    _check_run(eager, step, _batches(8))
+    _same(m1, m2)
+    s = step.stats()
+    assert s.refusal is None and device.captures == 1 and s.replays == 5, s.format()
+
+
+def test_host_sync_in_warm_up_names_the_refusal_when_the_capture_fails() -> None:
+    eager, step, (m1, _), (m2, _), device = _host_pair(fail=True, warm_sync=_WARM_SYNC)
+    _check_run(eager, step, _batches(6))
+    _same(m1, m2)
+    assert step.stats().refusal is _WARM_SYNC and device.captures == 1
+    _, step, _, _, _ = _host_pair(fail=True, warm_sync=_WARM_SYNC, cudagraph_or_error=True)
+    for args in _batches(3):
+        step(*args)
+    with pytest.raises(torchloom.CaptureStepError, match=r"\[sync_op\] masks.py:9"):
+        step(*_batches(4)[-1])
 
 
 def test_host_refusal_raises_under_or_error() -> None:

@@ -231,6 +231,9 @@ class CapturedStep(Generic[P, R]):
         self._clone_outputs = False
         #: whether the last warm-up call changed Python state the guard reads
         self._changed_last = False
+        #: the first host synchronization a warm-up made: the capture is still
+        #: tried (code may skip it under capture), and fails naming this one
+        self._warm_sync: StepUnsupported | None = None
         #: eager calls made for new guard sets after the first warm-up
         self._extra_warm = 0
         self._last_mismatch: GuardMismatch | None = None
@@ -471,9 +474,14 @@ class CapturedStep(Generic[P, R]):
             out = self.device.warm_up(lambda: self.fn(*args, **kwargs), syncs)
         after = probe.read(leaves, tree, named=True)
         changed = before.mismatch(after, ignore_grads=True)
-        if syncs:
-            self._refuse(syncs[0])
-        elif changed is not None and self._changed_last:
+        if syncs and self._warm_sync is None:
+            # NOTE: not a refusal yet. Libraries skip their data-dependent checks
+            # while a stream is capturing (transformers' masks test
+            # torch.cuda.is_current_stream_capturing()), so the capture is tried;
+            # a sync there fails it, and the refusal names this one.
+            self._warm_sync = syncs[0]
+            log.debug("capture_step %s: a warm-up synchronized: %s", self._name, syncs[0])
+        if changed is not None and self._changed_last:
             self._refuse(_python_state(self.fn, changed))
         self._changed_last = changed is not None
         self._pending = after
@@ -506,7 +514,8 @@ class CapturedStep(Generic[P, R]):
             for p, g in zip(params, entry, strict=True):
                 p.grad = g
             self._refuse(
-                StepUnsupported(
+                self._warm_sync
+                or StepUnsupported(
                     StepRefusal.CAPTURE_FAILED,
                     call_site(self.fn, ""),
                     f"torch.cuda.graph capture raised {type(exc).__name__}: {exc}",
