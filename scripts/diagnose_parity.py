@@ -198,6 +198,48 @@ def diagnose(
         torch.cuda.empty_cache()
 
 
+def diagnose_foundation(name: str, device: torch.device) -> None:
+    """The same memory view for a workload of ``bench_cudagraph`` (``--foundation``)."""
+    import bench_cudagraph
+    from _harness import reserved_memory
+
+    import torchloom
+
+    case = next(c for c in bench_cudagraph.CASES if c.name == name)
+    make = case.build(device, False)
+    wraps = {
+        "inductor-ro": lambda m: torch.compile(m, mode="reduce-overhead"),
+        "loom-cudagraphs": lambda m: torch.compile(m, backend="loom", options={"cudagraphs": True}),
+    }
+    for variant, wrap in wraps.items():
+        torch._dynamo.reset()
+        torchloom.reset()
+        before = reserved_memory(device) or 0
+        pools_before = _segments_by_pool(device)
+        active_before = _active_addresses(device)
+        torch.cuda.memory._record_memory_history(max_entries=100000)
+        run = make(wrap)[0]
+        for _ in range(5):
+            torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
+            run()
+        held = reserved_memory(device) or 0
+        print(f"\n=== {name} / {variant}: resident {(held - before) / 2**20:.2f} MiB")
+        for k, val in sorted(_segments_by_pool(device).items()):
+            delta = val - pools_before.get(k, 0)
+            if delta:
+                print(f"  {k}: +{delta / 2**20:.2f} MiB")
+        print("  active blocks made since the build:")
+        print("\n".join(_blocks_allocated_since(device, active_before)[:30]))
+        print("  who holds them:")
+        print("\n".join(_holders(device, active_before)[:40]))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        if variant.startswith("loom"):
+            for stats in torchloom.cudagraph_stats():
+                print(stats.format())
+        del run
+        gc.collect()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -205,9 +247,15 @@ def main() -> int:
     parser.add_argument("--workloads", default="train,forward_b1")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--variants", default="inductor-ro,loom-cudagraphs")
+    parser.add_argument(
+        "--foundation", default=None, help="a bench_cudagraph workload instead (e.g. gpt_train)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.foundation:
+        diagnose_foundation(args.foundation, device)
+        return 0
     for model_name in args.models.split(","):
         for w in bench_hf.WORKLOADS:
             if w.name in args.workloads.split(","):
