@@ -4,7 +4,9 @@ path is in tests_integration/test_capture_step.py, marked gpu)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import traceback
 import weakref
 from collections.abc import Callable
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import torchloom
 from torchloom._capture_step import CapturedStep, _Recording
@@ -879,3 +882,164 @@ def test_pointer_check_fallback_agrees_with_torch() -> None:
     for check in (step_data_ptrs_equal, _step_data_ptrs_equal_py):
         assert check(objs, ptrs, [0, 2])
         assert not check([a, 3, a], ptrs, [0, 2])
+
+
+# --- memory: what a captured step keeps alive ---------------------------------------------------
+
+
+class _DryGraph:
+    """What a CUDA graph holds on the Python side: nothing (its memory is its pool)."""
+
+
+class _DryRunDevice:
+    """A capture that runs the step once, as a CUDA capture's dry run allocates its
+    memory once, and keeps no reference to anything (a ``torch.cuda.CUDAGraph``
+    holds no Python object); a replay does nothing. ``inside`` runs inside each capture."""
+
+    type = "cpu"
+
+    def __init__(self, inside: Callable[[], None] = lambda: None) -> None:
+        self.inside = inside
+        self.graphs: list[weakref.ref[_DryGraph]] = []
+
+    def available(self) -> bool:
+        return True
+
+    def warm_up(self, fn: Callable[[], Any], syncs: list[Any]) -> Any:
+        return fn()
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        self.inside()
+        graph = _DryGraph()
+        self.graphs.append(weakref.ref(graph))
+        return graph, fn()
+
+    def replayer(self, graph: Any) -> Callable[[], object]:
+        return _dry_replay
+
+
+def _dry_replay() -> None:
+    return None
+
+
+def _none_grads_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+    """The benchmark's step: gradients set to None first, a detached loss returned."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def _storages(tensors: Any) -> list[StorageWeakRef]:
+    return [StorageWeakRef(t.untyped_storage()) for t in tensors if t is not None]
+
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Any:
+    """Only reference counts free memory in the block (a cycle holding a tensor shows)."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_host_capture_keeps_nothing_of_the_warm_up_calls() -> None:
+    """After the capture, no gradient, output or activation of a warm-up call is alive
+    (when the step sets gradients to None), nor an activation of the capture itself:
+    what stays is the step's own state (parameters, momentum buffers) and what the
+    capture made that replays write (gradients, the static output)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    acts: list[list[StorageWeakRef]] = []
+    for sub in model:
+        sub.register_forward_hook(lambda m, i, o: acts[-1].extend(_storages([o])))
+    device = _DryRunDevice()
+    step = CapturedStep(
+        _none_grads_step(model, opt), torchloom.resolve_options(env={}), device=device
+    )
+    grads: list[list[StorageWeakRef]] = []
+    outs: list[list[StorageWeakRef]] = []
+    with _no_cycle_collection():
+        for x, y in _batches(6):
+            acts.append([])
+            out = step(x, y)
+            outs.append(_storages([out]))
+            del out
+            grads.append(_storages(p.grad for p in model.parameters()))
+        s = step.stats()
+        assert (s.warmup_calls, s.recordings, s.replays) == (3, 1, 3), s.format()
+        alive = [
+            f"{what} of call {i}"
+            for what, per_call, calls in (
+                ("a gradient", grads, range(3)),
+                ("the output", outs, range(3)),
+                ("an activation", acts, range(4)),
+            )
+            for i in calls
+            if any(not w.expired() for w in per_call[i])
+        ]
+        assert alive == [], alive
+        params = list(model.parameters())
+        assert _storages(p.grad for p in params) == grads[3] == grads[5]
+        assert not any(w.expired() for w in grads[3] + outs[3])
+
+
+def test_host_gradients_found_at_the_capture_are_held_through_it_only() -> None:
+    """The gradients the capture finds (the last warm-up's) are held while it runs,
+    to be restored if it fails, and released once it is made."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    entry: list[StorageWeakRef] = []
+    seen: list[bool] = []
+    device = _DryRunDevice(inside=lambda: seen.extend(not w.expired() for w in entry))
+    step = CapturedStep(
+        _none_grads_step(model, opt), torchloom.resolve_options(env={}), device=device
+    )
+    batches = _batches(5)
+    with _no_cycle_collection():
+        for x, y in batches[:3]:
+            step(x, y)
+        entry += _storages(p.grad for p in model.parameters())
+        step(*batches[3])
+        assert seen and all(seen), "the capture ran without the gradients to restore"
+        assert all(w.expired() for w in entry)
+        step(*batches[4])
+        assert step.stats().replays == 2
+
+
+def test_host_dropped_step_or_refused_recording_frees_its_graph_and_buffers() -> None:
+    """No reference cycle keeps a recording (its graph, pool, static buffers) alive:
+    dropping the step, or a refusal after the capture, frees them at once."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    device = _DryRunDevice()
+    step = CapturedStep(
+        _none_grads_step(model, opt), torchloom.resolve_options(env={}), device=device
+    )
+    with _no_cycle_collection():
+        for x, y in _batches(5):
+            step(x, y)
+        (rec,) = step._recordings
+        held = _storages([*rec.bufs, *rec.outs])
+        del rec
+        del step
+        assert device.graphs[0]() is None and all(w.expired() for w in held)
+
+        inner = _none_grads_step(model, opt)
+        refused = CapturedStep(
+            lambda x, y: (inner(x, y), 1.5), torchloom.resolve_options(env={}), device=device
+        )
+        for x, y in _batches(5):
+            refused(x, y)
+        reason = refused.stats().refusal
+        assert reason is not None and reason.kind is StepRefusal.HOST_OUTPUT
+        assert device.graphs[1]() is None
