@@ -181,7 +181,7 @@ def _plain(m: Any) -> Any:
 
 def _raw_graph(setup: Setup) -> Run:
     """The eager step captured by hand, as PyTorch's whole-network recipe does."""
-    step, _ = make_step(setup, _plain)
+    step, model = make_step(setup, _plain)
     static = [a.clone() for a in setup.args]
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     side.wait_stream(torch.cuda.current_stream())
@@ -193,11 +193,15 @@ def _raw_graph(setup: Setup) -> Run:
     with torch.cuda.graph(graph):
         out = step(*static)
     args = list(setup.args)
+    # NOTE: the graph reads the parameters and updates the optimizer's state in
+    # place: keep both (``step`` holds the optimizer) for as long as it replays.
+    keep = (step, model)
 
     def run() -> torch.Tensor:
         for s, a in zip(static, args, strict=True):
             s.copy_(a)
         graph.replay()
+        assert keep
         return out
 
     return run
@@ -384,9 +388,9 @@ def measure(
             if cuda:
                 sync(device)
                 row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - held) / 2**20
-                # NOTE: read last, and nothing replays after it: the hand-captured
-                # raw graph failed its next replay with an illegal memory access
-                # once empty_cache() had run between its replays (H100, 2.11).
+                # NOTE: read last (the raw graph once failed a replay after an
+                # empty_cache() here: it had let its model and optimizer go while
+                # it still wrote their memory; it keeps them now).
                 torch.cuda.empty_cache()
                 row["resident_mib"] = (torch.cuda.memory_reserved(device) - reserved) / 2**20
                 row["footprint_mib"] = row["resident_mib"] + row["peak_mib"]
