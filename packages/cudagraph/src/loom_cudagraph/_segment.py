@@ -457,6 +457,13 @@ class CapturedSegment:
             return None
         prune_adopted()
         static = self.spec.static_positions
+        # NOTE: "kept its address since the warm-up" is evidence for the first
+        # recording of a shape; a later one reads such an input in place only
+        # where an earlier recording already does (else a fresh tensor that the
+        # allocator happened to place at the warm-up's address would count).
+        stable_ok = (
+            {i for r in table.recordings for i in r.stable_idx} if table.recordings else None
+        )
         inplace_idx: list[int] = []
         stable_idx: list[int] = []
         copy_idx: list[int] = []
@@ -471,7 +478,11 @@ class CapturedSegment:
                 or v.device != self.device
             ):
                 inplace_idx.append(i)
-            elif not table.unstable and v.data_ptr() == table.warm_ptrs[i]:
+            elif (
+                not table.unstable
+                and v.data_ptr() == table.warm_ptrs[i]
+                and (stable_ok is None or i in stable_ok)
+            ):
                 inplace_idx.append(i)
                 stable_idx.append(i)
             else:
