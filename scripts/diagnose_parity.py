@@ -166,21 +166,7 @@ def diagnose(
             f"resident {(held - before) / 2**20:.2f} MiB, step peak above it {peak / 2**20:.2f} MiB,"
             f" footprint {(held - before + peak) / 2**20:.2f} MiB"
         )
-        pools = _segments_by_pool(device)
-        for k, val in sorted(pools.items()):
-            delta = val - pools_before.get(k, 0)
-            if delta:
-                print(f"  {k}: +{delta / 2**20:.2f} MiB")
-        print("  active blocks made during warm-up:")
-        print("\n".join(_blocks_allocated_since(device, active_before)[:25]))
-        print("  who holds them:")
-        print("\n".join(_holders(device, active_before)[:60]))
-        torch.cuda.memory._record_memory_history(enabled=None)
-        if v.name.startswith("loom"):
-            import torchloom
-
-            for stats in torchloom.cudagraph_stats():
-                print(stats.format())
+        _print_memory(device, pools_before, active_before, v.name)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(steps):
@@ -196,6 +182,27 @@ def diagnose(
         bench_hf._reset()
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def _print_memory(
+    device: torch.device, pools_before: dict[str, int], active_before: set[int], variant: str
+) -> None:
+    """Growth per pool, the active blocks made since ``active_before`` with where they
+    were allocated and who holds them; loom's CUDA-graph stats. Ends the history."""
+    import torchloom
+
+    for k, val in sorted(_segments_by_pool(device).items()):
+        delta = val - pools_before.get(k, 0)
+        if delta:
+            print(f"  {k}: +{delta / 2**20:.2f} MiB")
+    print("  active blocks made since the build:")
+    print("\n".join(_blocks_allocated_since(device, active_before)[:30]))
+    print("  who holds them:")
+    print("\n".join(_holders(device, active_before)[:60]))
+    torch.cuda.memory._record_memory_history(enabled=None)
+    if variant.startswith("loom"):
+        for stats in torchloom.cudagraph_stats():
+            print(stats.format())
 
 
 def diagnose_foundation(name: str, device: torch.device) -> None:
@@ -224,18 +231,7 @@ def diagnose_foundation(name: str, device: torch.device) -> None:
             run()
         held = reserved_memory(device) or 0
         print(f"\n=== {name} / {variant}: resident {(held - before) / 2**20:.2f} MiB")
-        for k, val in sorted(_segments_by_pool(device).items()):
-            delta = val - pools_before.get(k, 0)
-            if delta:
-                print(f"  {k}: +{delta / 2**20:.2f} MiB")
-        print("  active blocks made since the build:")
-        print("\n".join(_blocks_allocated_since(device, active_before)[:30]))
-        print("  who holds them:")
-        print("\n".join(_holders(device, active_before)[:40]))
-        torch.cuda.memory._record_memory_history(enabled=None)
-        if variant.startswith("loom"):
-            for stats in torchloom.cudagraph_stats():
-                print(stats.format())
+        _print_memory(device, pools_before, active_before, variant)
         del run
         gc.collect()
 

@@ -205,31 +205,39 @@ class MemoryPool:
     def reuse_free(self, reuse: list[Reuse], inputs: Sequence[Any]) -> bool:
         """Whether every earlier output in ``reuse`` is dead but for the references
         ``inputs`` holds alone (they die during the replay, as during the capture)."""
+        return self._first_held(reuse, inputs) is None
+
+    def _first_held(self, reuse: list[Reuse], inputs: Sequence[Any]) -> Reuse | None:
+        # NOTE: on a backward's per-call path (one entry per reused output).
         use_count = self._use_count
-        for w, positions in reuse:
-            expected = w.baseline
-            if positions:
+        for entry in reuse:
+            w, positions = entry
+            if not positions:
+                if use_count(w.cdata) != w.baseline:
+                    return entry
+            elif len(positions) == 1:
+                # the list's reference and getrefcount's argument
+                if sys.getrefcount(inputs[positions[0]]) != 2 or use_count(w.cdata) != (
+                    w.baseline + 1
+                ):
+                    return entry
+            else:
                 listed = _listed_only(inputs, positions)
-                if listed < 0:
-                    return False
-                expected += listed
-            if use_count(w.cdata) != expected:
-                return False
-        return True
+                if listed < 0 or use_count(w.cdata) != w.baseline + listed:
+                    return entry
+        return None
 
     def describe_reuse(self, reuse: list[Reuse], inputs: Sequence[Any]) -> str:
-        """Which reused outputs are held, for a debug log."""
-        held = []
-        for w, positions in reuse:
-            listed = _listed_only(inputs, positions) if positions else 0
-            count = self._use_count(w.cdata)
-            if listed < 0 or count != w.baseline + listed:
-                refs = [sys.getrefcount(inputs[i]) - 1 for i in positions]
-                held.append(
-                    f"output {w.positions} of recording {w.order}: {count} uses, "
-                    f"{w.baseline} ours, inputs {list(positions)} with refcounts {refs}"
-                )
-        return "; ".join(held) or "none"
+        """The first reused output that is held, for a debug log."""
+        entry = self._first_held(reuse, inputs)
+        if entry is None:
+            return "none"
+        w, positions = entry
+        refs = [sys.getrefcount(inputs[i]) - 1 for i in positions]
+        return (
+            f"output {w.positions} of recording {w.order}: {self._use_count(w.cdata)} uses, "
+            f"{w.baseline} ours, inputs {list(positions)} with refcounts {refs}"
+        )
 
     def release(self, rec: PooledRecording) -> None:
         """Retire ``rec`` and every later recording whose outputs are held; their

@@ -114,7 +114,7 @@ class CudagraphRuntime:
         static_stats: list[SegmentStats | CapturedSegment],
     ) -> None:
         # NOTE: an instance attribute, so wrappers made with functools.wraps
-        # (torch._dynamo.disable around a backward) keep the boxed convention.
+        # (Dynamo's ``disable`` around a backward) keep the boxed convention.
         mark_boxed(self)
         self.plan = plan
         self._steps = steps

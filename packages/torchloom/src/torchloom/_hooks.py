@@ -83,7 +83,7 @@ _frames: weakref.WeakKeyDictionary[types.CodeType, FrameVariants] = weakref.Weak
 
 def frame_variants() -> FrameVariants:
     """The variants of the frame Dynamo is compiling (fresh outside Dynamo, and for a
-    frame Dynamo holds no compiled entry of, e.g. after ``torch._dynamo.reset()``)."""
+    frame Dynamo holds no compiled entry of, e.g. after a Dynamo reset)."""
     frame = compat.dynamo_frame_code()
     if frame is None:
         return FrameVariants()

@@ -333,7 +333,9 @@ class FastCheck:
                 and (not self.values or self.values == self.snapshots)
                 and (not self.scalers or _scalers_enabled(self.scalers) == self.scalers_enabled)
             )
-        except Exception:  # an argument whose == raises, an emptied closure cell: full guard
+        # NOTE: an argument or value whose == raises (a tensor's ambiguous truth
+        # value, an array), an emptied closure cell: the full guard decides.
+        except (RuntimeError, ValueError, TypeError):
             return False
 
 
@@ -342,7 +344,7 @@ def _snapshot(value: Any) -> Any:
     (the value itself where it cannot be copied)."""
     try:
         return copy.deepcopy(value)
-    except Exception:  # an uncopyable object: compared with itself, by identity
+    except (TypeError, RuntimeError, copy.Error):  # uncopyable: compared by identity
         return value
 
 
