@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {
     "sidefx": "loom_sidefx",
     "cells": "loom_cells",
+    "tracer": "loom_tracer",
     "hops": "loom_hops",
     "resize": "loom_resize",
     "cudagraph": "loom_cudagraph",

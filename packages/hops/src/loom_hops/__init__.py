@@ -1,4 +1,8 @@
-"""A base class for higher-order operators that invoke one subgraph and survive until codegen; the hook tracer (a symbolic interpreter of CPython 3.11/3.12 bytecode turning a hook into an FX graph, a replay plan, guards and a fingerprint); the passes that place saved-tensor pack/unpack subgraphs where they save memory; backward hooks on intermediate tensors."""
+"""Hooks inside compiled graphs: a base class for higher-order operators that invoke
+one subgraph and survive until codegen; saved-tensor hooks (traced with
+``loom_tracer``, matched, then placed so that each pack runs right after a saved
+tensor's last forward use and each unpack right before its first backward use);
+backward hooks on intermediate tensors."""
 
 from loom_hops._grad_hook_inline import GradHookInlining, inline_grad_hooks
 from loom_hops._grad_hooks import bound_hook_count, grad_hook, grad_hook_sites
@@ -30,9 +34,6 @@ from loom_hops._saved_hooks import (
 from loom_hops._subgraph_hop import SubgraphHOP, subgraph_hops
 from loom_hops._tensor_hooks import order_intermediate_hooks
 from loom_hops._unsupported import HopsRefusal, HopsRefusalKind, Unsupported
-from loom_hops.tracer import Guard as HookGuard
-from loom_hops.tracer import GuardKind as HookGuardKind
-from loom_hops.tracer import HookUnsupported, TracedHook, TraceRefusal, trace_hook
 
 __version__ = "0.1.0"
 
@@ -41,11 +42,8 @@ __all__ = [
     "GraphModuleHooks",
     "HookDifference",
     "HookGraphs",
-    "HookGuard",
-    "HookGuardKind",
     "HookMismatch",
     "HookPair",
-    "HookUnsupported",
     "HopsRefusal",
     "HopsRefusalKind",
     "PackHookOp",
@@ -56,8 +54,6 @@ __all__ = [
     "Placement",
     "PythonHookTracer",
     "SubgraphHOP",
-    "TraceRefusal",
-    "TracedHook",
     "TracedPack",
     "UnpackHookOp",
     "Unsupported",
@@ -80,6 +76,5 @@ __all__ = [
     "place_saved_tensor_hooks",
     "prepare_saved_tensors_hooks",
     "subgraph_hops",
-    "trace_hook",
     "unpack_hook_op",
 ]

@@ -33,8 +33,8 @@ from loom_hops._grad_hooks import (
 )
 from loom_hops._pass_result import PassResult
 from loom_hops._torch_compat import FakeTensorMode, fake_mode_of, make_fx
-from loom_hops.tracer import HookUnsupported, TracedHook, trace_hook
 from loom_sidefx import Roots, TensorSlot
+from loom_tracer import HookUnsupported, TracedHook, trace_hook
 
 __all__ = ["GradHookInlining", "inline_grad_hooks"]
 

@@ -6,7 +6,7 @@ own dtype, shape and device (so a hook that decides per tensor decides once
 per saved tensor), and the unpack graph at the pack graph's outputs. Graphs
 are functionalized and traced under the saved value's fake mode, so symbolic
 sizes stay symbolic. ``GraphModule`` hooks need no tracer; Python hooks go
-through a :class:`HookTracer` (``loom_hops.tracer``) or are refused.
+through a :class:`HookTracer` (``loom_tracer``) or are refused.
 """
 
 from __future__ import annotations

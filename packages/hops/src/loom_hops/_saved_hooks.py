@@ -152,7 +152,7 @@ def prepare_saved_tensors_hooks(
     """What to trace the pair with at each saved tensor, or why it stays eager.
 
     ``GraphModule`` pairs are taken as they are; Python pairs go to
-    ``python_tracer`` (default: ``loom_hops.tracer`` through
+    ``python_tracer`` (default: ``loom_tracer`` through
     :class:`TracedPythonHooks`), which traces them at each saved tensor later.
 
     >>> graphs = prepare_saved_tensors_hooks(HookPair(pack_gm, unpack_gm))

@@ -45,11 +45,11 @@ from loom_sidefx import (
 )
 from loom_sidefx import Value as Recorded
 
-from .. import _torch_compat
-from .effects import PlanRecorder
-from .predicates import EqualTo, TensorMeta
-from .refusal import Refused, TraceRefusal, refuse
-from .values import (
+from . import _torch_compat
+from ._effects import PlanRecorder
+from ._predicates import EqualTo, TensorMeta
+from ._refusal import Refused, TraceRefusal, refuse
+from ._values import (
     ConstV,
     DictV,
     FunctionV,
@@ -483,7 +483,7 @@ class TraceContext:
 
     def sequence_items(self, v: Value) -> list[Value]:
         """The items of an iterable value, for iteration, unpacking and builtins."""
-        from .values import IteratorV
+        from ._values import IteratorV
 
         self.require_base_protocol(v, "__iter__", "__len__")
 

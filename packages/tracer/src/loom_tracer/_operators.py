@@ -19,9 +19,9 @@ import torch
 from loom_sidefx import COMPUTE_OPS, Computed, Staged
 from loom_sidefx import Value as Recorded
 
-from .context import TraceContext, operand, slot
-from .refusal import TraceRefusal, refuse
-from .values import (
+from ._context import TraceContext, operand, slot
+from ._refusal import TraceRefusal, refuse
+from ._values import (
     ConstV,
     DictV,
     IteratorV,
@@ -91,7 +91,7 @@ def binary_op(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
     if isinstance(a, SymV) or isinstance(b, SymV):
         return ctx.call_torch(PLAIN_OPS[base], [a, b], {})
     if isinstance(a, ListV) and base == "+" and inplace:
-        from .containers import list_extend
+        from ._containers import list_extend
 
         list_extend(ctx, a, b)
         return a

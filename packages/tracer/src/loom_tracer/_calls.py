@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from .. import _torch_compat
-from .attributes import get_attr
-from .containers import call_dict_method, call_list_method, call_set_method, iterate, set_item
-from .context import TraceContext, is_const, is_symbolic, operand
-from .frame import inline_call
-from .operators import binary_op, python_op, python_value, truthy
-from .refusal import Refused, TraceRefusal, refuse
-from .values import (
+from . import _torch_compat
+from ._attributes import get_attr
+from ._containers import call_dict_method, call_list_method, call_set_method, iterate, set_item
+from ._context import TraceContext, is_const, is_symbolic, operand
+from ._frame import inline_call
+from ._operators import binary_op, python_op, python_value, truthy
+from ._refusal import Refused, TraceRefusal, refuse
+from ._values import (
     ConstV,
     DictV,
     FunctionV,
@@ -113,7 +113,7 @@ def call_method(
         return call_value(ctx, ctx.function_value(func, None), [self_v, *args], kwargs, depth)
     if isinstance(self_v, TensorV):
         if name == "__getitem__":
-            from .operators import get_item
+            from ._operators import get_item
 
             return get_item(ctx, self_v, args[0])
         return ctx.call_torch(None, [self_v, *args], kwargs, method=name)
@@ -503,12 +503,12 @@ def _filter(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], dept
 def _make_refused(fn: Callable[..., Any]) -> Builtin:
     def impl(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
         if fn is setattr:
-            from .attributes import set_attr
+            from ._attributes import set_attr
 
             set_attr(ctx, args[0], ctx.specialize(args[1]), args[2])
             return ConstV(None)
         if fn is delattr:
-            from .attributes import del_attr
+            from ._attributes import del_attr
 
             del_attr(ctx, args[0], ctx.specialize(args[1]))
             return ConstV(None)

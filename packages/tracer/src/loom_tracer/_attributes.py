@@ -17,9 +17,9 @@ import torch
 
 from loom_sidefx import AttrSource, GuardKind, Missing, ObjectSource, Staged
 
-from .context import TraceContext, is_const, is_symbolic, slot
-from .refusal import TraceRefusal, refuse
-from .values import (
+from ._context import TraceContext, is_const, is_symbolic, slot
+from ._refusal import TraceRefusal, refuse
+from ._values import (
     ConstV,
     FunctionV,
     LazyNum,
@@ -217,7 +217,7 @@ def _object_attr(ctx: TraceContext, v: ObjectV, name: str, depth: int) -> Value:
     static = _static_lookup(cls, name)
     if static is not None and _is_data_descriptor(static):
         if isinstance(static, property) and isinstance(static.fget, types.FunctionType):
-            from .calls import call_value
+            from ._calls import call_value
 
             getter = ctx.function_value(static.fget, None)
             return call_value(ctx, getter, [v], {}, depth)

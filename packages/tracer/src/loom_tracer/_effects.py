@@ -32,9 +32,9 @@ from loom_sidefx import (
 )
 from loom_sidefx import Value as Recorded
 
-from .predicates import stable_repr
-from .refusal import Refused, TraceRefusal, refuse
-from .values import (
+from ._predicates import stable_repr
+from ._refusal import Refused, TraceRefusal, refuse
+from ._values import (
     ConstV,
     DictV,
     FunctionV,
@@ -49,7 +49,7 @@ from .values import (
 )
 
 if TYPE_CHECKING:
-    from .context import TraceContext
+    from ._context import TraceContext
 
 
 def constant_value(value: object) -> Recorded:
@@ -151,6 +151,6 @@ def _live(v: Value) -> object:
 
 
 def _symbolic(value: object) -> bool:
-    from .context import is_symbolic
+    from ._context import is_symbolic
 
     return is_symbolic(value)
