@@ -12,8 +12,8 @@ from typing import Any
 
 from loom_sidefx import Staged
 
+from ._constants import python_op, python_value
 from ._context import TraceContext
-from ._operators import python_op, python_value
 from ._refusal import TraceRefusal, refuse
 from ._values import ConstV, DictV, IteratorV, ListV, SetV, TupleV, Value
 
