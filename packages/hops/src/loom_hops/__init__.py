@@ -9,6 +9,7 @@ from loom_hops._grad_hooks import bound_hook_count, grad_hook, grad_hook_sites
 from loom_hops._hook_graphs import GraphModuleHooks, HookGraphs, PackedLayout, TracedPack
 from loom_hops._hook_hops import PackHookOp, UnpackHookOp, pack_hook_op, unpack_hook_op
 from loom_hops._hook_match import HookDifference, HookMismatch, pair_mismatch
+from loom_hops._hook_pair import HookPair, active_saved_tensors_hooks, fingerprint_hooks
 from loom_hops._inline import inline_subgraph_hops
 from loom_hops._pass_result import PassResult
 from loom_hops._placement import (
@@ -24,13 +25,7 @@ from loom_hops._runtime import (
     install_other_hooks_guard,
     native_hook_inlining_disabled,
 )
-from loom_hops._saved_hooks import (
-    HookPair,
-    PythonHookTracer,
-    active_saved_tensors_hooks,
-    fingerprint_hooks,
-    prepare_saved_tensors_hooks,
-)
+from loom_hops._saved_hooks import PythonHookTracer, prepare_saved_tensors_hooks
 from loom_hops._subgraph_hop import SubgraphHOP, subgraph_hops
 from loom_hops._tensor_hooks import order_intermediate_hooks
 from loom_hops._unsupported import HopsRefusal, HopsRefusalKind, Unsupported

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,7 +36,7 @@ from loom_hops._hook_match import (
     roots_of,
     static_mismatch,
 )
-from loom_hops._saved_hooks import HookPair
+from loom_hops._hook_pair import HookPair
 from loom_hops._torch_compat import fake_mode_of, pytree
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
 from loom_sidefx import ArgSource, Computed, Op, Original, Ref, ReplayPlan, TensorSlot
@@ -241,8 +242,6 @@ class TracedPythonHooks:
 
     def fingerprint(self) -> str | None:
         """Fingerprints of the traces made so far, combined; ``None`` if any is opaque."""
-        import hashlib
-
         hooks = [hook for hook, _ in self._guards.values()]
         if any(h.opaque for h in hooks):
             return None
