@@ -11,7 +11,6 @@ from loom_hops._hook_hops import PackHookOp, UnpackHookOp, pack_hook_op, unpack_
 from loom_hops._hook_match import HookDifference, HookMismatch, pair_mismatch
 from loom_hops._hook_pair import HookPair, active_saved_tensors_hooks, fingerprint_hooks
 from loom_hops._inline import inline_subgraph_hops
-from loom_hops._pass_result import PassResult
 from loom_hops._placement import (
     PackedTensor,
     PackScope,
@@ -45,7 +44,6 @@ __all__ = [
     "PackScope",
     "PackedLayout",
     "PackedTensor",
-    "PassResult",
     "Placement",
     "PythonHookTracer",
     "SubgraphHOP",
