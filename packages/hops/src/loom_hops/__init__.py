@@ -15,6 +15,7 @@ from loom_hops._placement import (
     PackedTensor,
     PackScope,
     Placement,
+    SavedOrigin,
     count_forward_outputs,
     place_saved_tensor_hooks,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "PackedTensor",
     "Placement",
     "PythonHookTracer",
+    "SavedOrigin",
     "SubgraphHOP",
     "TracedPack",
     "UnpackHookOp",
