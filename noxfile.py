@@ -40,6 +40,7 @@ MARKS = ("-m", "not gpu and not multigpu")
 PACKAGES: dict[str, str] = {
     "sidefx": "torchloom-sidefx",
     "cells": "torchloom-cells",
+    "tracer": "torchloom-tracer",
     "hops": "torchloom-hops",
     "resize": "torchloom-resize",
     "cudagraph": "torchloom-cudagraph",

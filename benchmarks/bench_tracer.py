@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import append_results, format_table, parse_args, ratio, time_fn
 
-from loom_hops.tracer import TracedHook, trace_hook
-from loom_hops.tracer._torch_compat import new_fake_mode
+from loom_tracer import TracedHook, trace_hook
+from loom_tracer._torch_compat import new_fake_mode
 
 INNER = 1000  # guard calls per timed sample
 

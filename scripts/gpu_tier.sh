@@ -38,7 +38,7 @@ if [ "${GPU_TIER:-all}" != bench ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   # The hook tracer targets CPython 3.11 and 3.12: its unit tests run here on 3.12.
   echo "=== tracer unit tests on $("$PY" -V)"
-  "$PY" -m pytest packages/hops/tests packages/sidefx/tests packages/cells/tests -q \
+  "$PY" -m pytest packages/tracer/tests packages/hops/tests packages/sidefx/tests packages/cells/tests -q \
       -m "not gpu" -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/py312-tests.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi

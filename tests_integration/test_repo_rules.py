@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {
     "sidefx": "loom_sidefx",
     "cells": "loom_cells",
+    "tracer": "loom_tracer",
     "hops": "loom_hops",
     "resize": "loom_resize",
     "cudagraph": "loom_cudagraph",
@@ -183,3 +184,120 @@ def test_public_api_matches_snapshot(module: str) -> None:
 def test_pure_packages_never_import_torch(module: str) -> None:
     code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- no import cycles -------------------------------------------------------------------------
+# The module graph of every package's sources: an edge for each import at any nesting level
+# (a function-level import that dodges a cycle at run time is still one), relative imports
+# resolved, ``from pkg import name`` pointing at the submodule when ``name`` is one.
+
+
+def _modules_of(roots: list[Path]) -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package ``__init__``), for every ``*.py`` under the roots."""
+    modules = {}
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return modules
+
+
+def _imported(node: ast.Import | ast.ImportFrom, package: str, known: set[str]) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:
+        base = package.split(".")[: len(package.split(".")) - node.level + 1]
+        prefix = ".".join([*base, *([node.module] if node.module else [])])
+    else:
+        prefix = node.module or ""
+    return [
+        f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in known else prefix
+        for alias in node.names
+    ]
+
+
+def import_graph(roots: list[Path]) -> dict[str, set[str]]:
+    """Module -> the workspace modules it imports (at any depth of its code)."""
+    modules = _modules_of(roots)
+    known = set(modules)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, (path, is_package) in modules.items():
+        package = name if is_package else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in _imported(node, package, known):
+                while target and target not in known:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        cycles.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return cycles
+
+
+def _describe_cycle(graph: dict[str, set[str]], component: list[str]) -> str:
+    members = set(component)
+    edges = [f"  {a} -> {b}" for a in component for b in sorted(graph[a] & members)]
+    return " <-> ".join(component) + "\n" + "\n".join(edges)
+
+
+def test_no_import_cycle_in_any_package() -> None:
+    graph = import_graph(sorted((ROOT / "packages").glob("*/src")))
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles (a function-level import counts too):\n" + "\n".join(
+        _describe_cycle(graph, c) for c in cycles
+    )
+
+
+def test_the_cycle_rule_sees_function_level_and_relative_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg.c import g\n")
+    (pkg / "c.py").write_text("from .a import x\n")
+    (pkg / "d.py").write_text("import pkg.a\n")
+    graph = import_graph([tmp_path])
+    assert graph["pkg.d"] == {"pkg.a"}
+    assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]

@@ -104,14 +104,16 @@ def test_default_scope_packs_parameters_like_eager() -> None:
     model, x = _mlp(), torch.randn(8, 16)
     _, _, log = _run(model, x, hm.bf16(), compiled=True)
     origins = {p.origin for p in _placement(log).packed}
-    assert "input" in origins and "activation" in origins
+    assert loom_hops.SavedOrigin.INPUT in origins and loom_hops.SavedOrigin.ACTIVATION in origins
 
 
 def test_activation_scope_keeps_inputs_and_parameters_as_they_are() -> None:
     model, x = _mlp(), torch.randn(8, 16)
     _, _, log = _run(model, x, hm.bf16(), compiled=True, scope=PackScope.ACTIVATIONS)
     placement = _placement(log)
-    assert placement.packed and {p.origin for p in placement.packed} == {"activation"}
+    assert placement.packed and {p.origin for p in placement.packed} == {
+        loom_hops.SavedOrigin.ACTIVATION
+    }
     assert placement.kept and all("input" in why for _, why in placement.kept)
 
 

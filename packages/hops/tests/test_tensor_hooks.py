@@ -9,10 +9,11 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import loom_hops
+import loom_sidefx
 from loom_hops._torch_compat import REGISTER_HOOK_HOP
 
 
-def _backend(results: list[loom_hops.PassResult]) -> Any:
+def _backend(results: list[loom_sidefx.PassResult[torch.fx.GraphModule]]) -> Any:
     inner = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -38,7 +39,7 @@ def test_two_hooks_on_one_tensor_run_in_registration_order() -> None:
         return (y.cos() + y * 3).sum()
 
     x = torch.randn(7)
-    results: list[loom_hops.PassResult] = []
+    results: list[loom_sidefx.PassResult[torch.fx.GraphModule]] = []
     got = _grad(torch.compile(fn, backend=_backend(results), fullgraph=True), x)
     torch.testing.assert_close(got, _grad(fn, x))
     (result,) = results
@@ -62,7 +63,7 @@ def test_single_hooks_and_hooks_on_different_tensors_are_left_alone() -> None:
         return z.sum()
 
     x = torch.randn(5)
-    results: list[loom_hops.PassResult] = []
+    results: list[loom_sidefx.PassResult[torch.fx.GraphModule]] = []
     got = _grad(torch.compile(fn, backend=_backend(results), fullgraph=True), x)
     torch.testing.assert_close(got, _grad(fn, x))
     assert [r.modified for r in results] == [False]

@@ -12,6 +12,7 @@ import torch
 from torch.fx import GraphModule
 
 import loom_resize
+import loom_sidefx
 from loom_resize import _torch_compat as compat
 
 
@@ -21,7 +22,9 @@ class Recorder:
 
     remove_chains: bool = True
     graphs: dict[str, GraphModule] = dataclasses.field(default_factory=dict)
-    results: list[loom_resize.PassResult] = dataclasses.field(default_factory=list)
+    results: list[loom_sidefx.PassResult[torch.fx.GraphModule]] = dataclasses.field(
+        default_factory=list
+    )
 
     def backend(self) -> Callable[[GraphModule, list[Any]], Any]:
         def aten_passes(kind: str) -> Callable[[GraphModule, Any], Any]:

@@ -31,10 +31,9 @@ from loom_hops._grad_hooks import (
     last_hooks,
     run_hooks,
 )
-from loom_hops._pass_result import PassResult
 from loom_hops._torch_compat import FakeTensorMode, fake_mode_of, make_fx
-from loom_hops.tracer import HookUnsupported, TracedHook, trace_hook
-from loom_sidefx import Roots, TensorSlot
+from loom_sidefx import PassResult, Roots, TensorSlot
+from loom_tracer import HookUnsupported, TracedHook, trace_hook
 
 __all__ = ["GradHookInlining", "inline_grad_hooks"]
 
@@ -64,7 +63,7 @@ class _TracedSite:
 class GradHookInlining:
     """What :func:`inline_grad_hooks` did: the pass result, and per site kept opaque, why."""
 
-    result: PassResult
+    result: PassResult[torch.fx.GraphModule]
     inlined: tuple[int, ...]
     kept_opaque: tuple[tuple[int, str], ...]
 

@@ -6,7 +6,7 @@ own dtype, shape and device (so a hook that decides per tensor decides once
 per saved tensor), and the unpack graph at the pack graph's outputs. Graphs
 are functionalized and traced under the saved value's fake mode, so symbolic
 sizes stay symbolic. ``GraphModule`` hooks need no tracer; Python hooks go
-through a :class:`HookTracer` (``loom_hops.tracer``) or are refused.
+through a :class:`HookTracer` (``loom_tracer``) or are refused.
 """
 
 from __future__ import annotations
@@ -14,18 +14,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.fx
 
 from loom_hops import _torch_compat
-from loom_hops._torch_compat import fake_mode_of, make_fx, python_dispatcher, pytree
+from loom_hops._hook_match import HookMismatch, static_mismatch
+from loom_hops._hook_pair import HookPair
+from loom_hops._torch_compat import FakeTensor, fake_mode_of, make_fx, python_dispatcher, pytree
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
-
-if TYPE_CHECKING:
-    from loom_hops._hook_match import HookMismatch
-    from loom_hops._saved_hooks import HookPair
 
 __all__ = [
     "GraphModuleHooks",
@@ -38,7 +36,7 @@ __all__ = [
 
 Decompositions = Mapping[Any, Callable[..., Any]]
 #: Replays a traced hook's side effects on the closure and globals of a pair's hooks.
-HookEffects = Callable[["HookPair"], None]
+HookEffects = Callable[[HookPair], None]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,8 +146,6 @@ def layout_of(packed: Any, where: str) -> PackedLayout | Unsupported:
                 "return tensors, sizes or Python constants from the pack hook",
             )
         if kind == "tensor" and type(leaf) not in (torch.Tensor, torch.nn.Parameter):
-            from loom_hops._torch_compat import FakeTensor
-
             if not isinstance(leaf, FakeTensor):
                 return Unsupported(
                     HopsRefusalKind.UNSUPPORTED_PACKED_VALUE,
@@ -182,9 +178,6 @@ class GraphModuleHooks:
         return trace_unpack_graph(self.unpack, pack, saved, self.decompositions)
 
     def mismatch(self, active: HookPair | None) -> HookMismatch | None:
-        from loom_hops._hook_match import static_mismatch
-        from loom_hops._saved_hooks import HookPair
-
         return static_mismatch(HookPair(self.pack, self.unpack), active)
 
 

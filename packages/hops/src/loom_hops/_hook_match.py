@@ -19,20 +19,18 @@ import hashlib
 import types
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx
 
-from loom_hops._saved_hooks import HookPair, feed_graph
+from loom_hops._hook_pair import HookPair, feed_graph
 from loom_sidefx import Roots
-
-if TYPE_CHECKING:
-    from loom_hops._hook_graphs import HookGraphs
 
 __all__ = [
     "HookDifference",
     "HookMismatch",
+    "MatchedTraces",
     "function_mismatch",
     "graph_module_digest",
     "pair_mismatch",
@@ -230,8 +228,14 @@ def static_mismatch(compiled: HookPair | None, active: HookPair | None) -> HookM
     return None
 
 
+class MatchedTraces(Protocol):
+    """Traces that know which pairs they serve (a :class:`loom_hops.HookGraphs`)."""
+
+    def mismatch(self, active: HookPair | None) -> HookMismatch | None: ...
+
+
 def pair_mismatch(
-    compiled: HookPair | None, active: HookPair | None, graphs: HookGraphs | None = None
+    compiled: HookPair | None, active: HookPair | None, graphs: MatchedTraces | None = None
 ) -> HookMismatch | None:
     """Why ``active`` cannot reuse a compilation made under ``compiled``, or ``None``.
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from loom_hops._pass_result import PassResult
 from loom_hops._subgraph_hop import SubgraphHOP
+from loom_sidefx import PassResult
 
 __all__ = ["inline_subgraph_hops"]
 
@@ -87,7 +87,7 @@ def _inline_one(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
             delattr(gm, target)
 
 
-def inline_subgraph_hops(gm: torch.fx.GraphModule) -> PassResult:
+def inline_subgraph_hops(gm: torch.fx.GraphModule) -> PassResult[torch.fx.GraphModule]:
     """Replace every :class:`SubgraphHOP` node in ``gm`` by its subgraph's body.
 
     >>> result = inline_subgraph_hops(fw_gm)   # right before Inductor / eager codegen

@@ -30,6 +30,7 @@ __all__ = [
     "PackScope",
     "PackedTensor",
     "Placement",
+    "SavedOrigin",
     "count_forward_outputs",
     "place_saved_tensor_hooks",
 ]
@@ -46,12 +47,23 @@ class PackScope(enum.Enum):
     ACTIVATIONS = "activations"
 
 
+class SavedOrigin(enum.Enum):
+    """Where a saved tensor comes from in the forward graph."""
+
+    #: An intermediate: neither a graph input nor a user output.
+    ACTIVATION = "activation"
+    #: A graph input (a parameter, a buffer or an argument).
+    INPUT = "input"
+    #: Also one of the forward's user outputs.
+    OUTPUT = "output"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PackedTensor:
     """One saved tensor the placement packed, in forward save order."""
 
     name: str
-    origin: str  # "activation", "input" or "output"
+    origin: SavedOrigin
     dtype: str
     shape: tuple[str, ...]
     device: str
@@ -117,12 +129,12 @@ class Placement:
                         raise AssertionError(f"Placement: {node.name} used by {user.name}")
 
 
-def _origin(node: torch.fx.Node, inner: set[torch.fx.Node]) -> str:
+def _origin(node: torch.fx.Node, inner: set[torch.fx.Node]) -> SavedOrigin:
     if node.op == "placeholder":
-        return "input"
+        return SavedOrigin.INPUT
     if node in inner:
-        return "output"
-    return "activation"
+        return SavedOrigin.OUTPUT
+    return SavedOrigin.ACTIVATION
 
 
 def _last_use(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
@@ -269,6 +281,21 @@ def count_forward_outputs(forward: torch.fx.GraphModule, backward: torch.fx.Grap
     return len(outs) - saved
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SavedLayout:
+    """The partitioner's output layout: user outputs, then saved tensors, then saved sizes."""
+
+    output: torch.fx.Node
+    inner: list[Any]
+    saved_tensors: list[torch.fx.Node]
+    saved_syms: list[torch.fx.Node]
+    backward_inputs: dict[str, torch.fx.Node]
+
+
+#: One saved tensor to pack: the forward node, its pack trace and its unpack trace.
+_Plan = tuple[torch.fx.Node, TracedPack, TracedUnpack]
+
+
 def place_saved_tensor_hooks(
     forward: torch.fx.GraphModule,
     backward: torch.fx.GraphModule,
@@ -292,110 +319,16 @@ def place_saved_tensor_hooks(
     """
     if num_fwd_outputs is None:
         num_fwd_outputs = count_forward_outputs(forward, backward)
-    fw_out = forward.graph.output_node()
-    outs: list[Any] = list(fw_out.args[0])  # type: ignore[arg-type]
-    inner = outs[:num_fwd_outputs]
-    saved = outs[num_fwd_outputs:]
-    saved_tensors = [n for n in saved if isinstance(n, torch.fx.Node) and not is_sym_node(n)]
-    saved_syms = [n for n in saved if is_sym_node(n)]
-    bw_inputs = [n for n in backward.graph.nodes if n.op == "placeholder"]
-    expected = [n.name for n in saved_syms + saved_tensors]
-    got = [n.name for n in bw_inputs[: len(expected)]]
-    if got != expected or len(saved_tensors) + len(saved_syms) != len(saved):
-        return Unsupported(
-            HopsRefusalKind.UNEXPECTED_GRAPH_LAYOUT,
-            f"graph {type(forward).__name__}",
-            f"the forward saves {expected} but the backward starts with {got}",
-            "run the placement right after a partitioner that keeps saved names",
-        )
-    inner_set = {n for n in inner if isinstance(n, torch.fx.Node)}
-    bw_by_name = {n.name: n for n in bw_inputs}
-
-    plans: list[tuple[torch.fx.Node, TracedPack, TracedUnpack]] = []
-    kept: list[tuple[str, str]] = []
-    for node in saved_tensors:
-        origin = _origin(node, inner_set)
-        if scope is PackScope.ACTIVATIONS and origin != "activation":
-            kept.append((node.name, f"{origin} (pack scope is activations)"))
-            continue
-        if node.meta.get("saved_tensor_with_no_vc_check", False):
-            kept.append((node.name, "saved without a version check by an autograd.Function"))
-            continue
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            kept.append((node.name, "no example value"))
-            continue
-        traced = hooks.trace_pack(val)
-        if isinstance(traced, Unsupported):
-            return traced
-        unpack = hooks.trace_unpack(traced, val)
-        if isinstance(unpack, Unsupported):
-            return unpack
-        plans.append((node, traced, unpack))
-
-    fw_order = {n: i for i, n in enumerate(forward.graph.nodes)}
-
-    def first_forward_use(item: tuple[torch.fx.Node, TracedPack, TracedUnpack]) -> tuple[int, int]:
-        # NOTE: eager saves a tensor at the op that consumes it, in argument order; a
-        # view of it (the weight's transpose) is not that op: look through views.
-        positions: list[tuple[int, int]] = []
-        todo = [item[0]]
-        while todo:
-            node = todo.pop()
-            for user in node.users:
-                if user.op == "output":
-                    continue
-                if is_view_op(user.target):
-                    todo.append(user)
-                else:
-                    positions.append((fw_order[user], user.all_input_nodes.index(node)))
-        return min(positions, default=(fw_order[item[0]], 0))
-
-    pack_effects = tuple(
-        t.effects for _, t, _ in sorted(plans, key=first_forward_use) if t.effects is not None
-    )
-    taken = _names(forward.graph, backward.graph)
-    replaced: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    packed: list[PackedTensor] = []
-    sym_anchor: list[torch.fx.Node] = []
-    for node, traced, unpack in plans:
-        anchor, leaves = _insert_pack(forward, node, traced, taken)
-        replaced[node] = leaves
-        first_use = _insert_unpack(
-            backward, bw_by_name[node.name], unpack.graph, leaves, sym_anchor
-        )
-        val = node.meta["val"]
-        packed.append(
-            PackedTensor(
-                name=node.name,
-                origin=_origin(node, inner_set),
-                dtype=str(val.dtype),
-                shape=tuple(str(s) for s in val.shape),
-                device=str(val.device),
-                crossing=tuple(leaf.name for leaf in leaves),
-                pack_after=anchor.name,
-                unpack_before=first_use.name if first_use is not None else "",
-                crossing_devices=tuple(_device_of(leaf) for leaf in leaves),
-            )
-        )
-
-    new_tensors: list[torch.fx.Node] = []
-    new_syms: list[torch.fx.Node] = []
-    for node in saved_tensors:
-        for leaf in replaced.get(node, [node]):
-            (new_syms if is_sym_node(leaf) else new_tensors).append(leaf)
-    fw_out.args = (tuple(inner + new_tensors + new_syms + saved_syms),)
-    forward.graph.lint()  # type: ignore[no-untyped-call]
-    backward.graph.lint()  # type: ignore[no-untyped-call]
-    forward.recompile()
-    backward.recompile()
-    bw_order = {n: i for i, n in enumerate(backward.graph.nodes)}
-    unpack_at = {p.name: bw_order.get(_node_named(backward, p.unpack_before), -1) for p in packed}
-    unpack_effects = tuple(
-        u.effects
-        for n, _, u in sorted(plans, key=lambda item: unpack_at[item[0].name])
-        if u.effects is not None
-    )
+    layout = _read_layout(forward, backward, num_fwd_outputs)
+    if isinstance(layout, Unsupported):
+        return layout
+    traced = _trace_saved(layout, hooks, scope)
+    if isinstance(traced, Unsupported):
+        return traced
+    plans, kept = traced
+    pack_effects = _pack_effects_in_eager_order(forward, plans)
+    packed = _rewrite(forward, backward, layout, plans)
+    unpack_effects = _unpack_effects_in_backward_order(backward, plans, packed)
     placement = Placement(
         forward,
         backward,
@@ -413,3 +346,140 @@ def place_saved_tensor_hooks(
         len(kept),
     )
     return placement
+
+
+def _read_layout(
+    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, num_fwd_outputs: int
+) -> _SavedLayout | Unsupported:
+    """The saved values, checked against the backward's leading placeholders."""
+    fw_out = forward.graph.output_node()
+    outs: list[Any] = list(fw_out.args[0])  # type: ignore[arg-type]
+    inner = outs[:num_fwd_outputs]
+    saved = outs[num_fwd_outputs:]
+    saved_tensors = [n for n in saved if isinstance(n, torch.fx.Node) and not is_sym_node(n)]
+    saved_syms = [n for n in saved if is_sym_node(n)]
+    bw_inputs = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    expected = [n.name for n in saved_syms + saved_tensors]
+    got = [n.name for n in bw_inputs[: len(expected)]]
+    if got != expected or len(saved_tensors) + len(saved_syms) != len(saved):
+        return Unsupported(
+            HopsRefusalKind.UNEXPECTED_GRAPH_LAYOUT,
+            f"graph {type(forward).__name__}",
+            f"the forward saves {expected} but the backward starts with {got}",
+            "run the placement right after a partitioner that keeps saved names",
+        )
+    return _SavedLayout(fw_out, inner, saved_tensors, saved_syms, {n.name: n for n in bw_inputs})
+
+
+def _trace_saved(
+    layout: _SavedLayout, hooks: HookGraphs, scope: PackScope
+) -> tuple[list[_Plan], list[tuple[str, str]]] | Unsupported:
+    """Trace pack and unpack at each saved tensor in scope; the rest is kept, with why."""
+    inner_set = {n for n in layout.inner if isinstance(n, torch.fx.Node)}
+    plans: list[_Plan] = []
+    kept: list[tuple[str, str]] = []
+    for node in layout.saved_tensors:
+        origin = _origin(node, inner_set)
+        if scope is PackScope.ACTIVATIONS and origin is not SavedOrigin.ACTIVATION:
+            kept.append((node.name, f"{origin.value} (pack scope is activations)"))
+            continue
+        if node.meta.get("saved_tensor_with_no_vc_check", False):
+            kept.append((node.name, "saved without a version check by an autograd.Function"))
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            kept.append((node.name, "no example value"))
+            continue
+        traced = hooks.trace_pack(val)
+        if isinstance(traced, Unsupported):
+            return traced
+        unpack = hooks.trace_unpack(traced, val)
+        if isinstance(unpack, Unsupported):
+            return unpack
+        plans.append((node, traced, unpack))
+    return plans, kept
+
+
+def _pack_effects_in_eager_order(
+    forward: torch.fx.GraphModule, plans: list[_Plan]
+) -> tuple[HookEffects, ...]:
+    """Pack side effects in the order eager packs: the op that first consumes each tensor."""
+    fw_order = {n: i for i, n in enumerate(forward.graph.nodes)}
+
+    def first_forward_use(item: _Plan) -> tuple[int, int]:
+        # NOTE: eager saves a tensor at the op that consumes it, in argument order; a
+        # view of it (the weight's transpose) is not that op: look through views.
+        positions: list[tuple[int, int]] = []
+        todo = [item[0]]
+        while todo:
+            node = todo.pop()
+            for user in node.users:
+                if user.op == "output":
+                    continue
+                if is_view_op(user.target):
+                    todo.append(user)
+                else:
+                    positions.append((fw_order[user], user.all_input_nodes.index(node)))
+        return min(positions, default=(fw_order[item[0]], 0))
+
+    return tuple(
+        t.effects for _, t, _ in sorted(plans, key=first_forward_use) if t.effects is not None
+    )
+
+
+def _rewrite(
+    forward: torch.fx.GraphModule,
+    backward: torch.fx.GraphModule,
+    layout: _SavedLayout,
+    plans: list[_Plan],
+) -> list[PackedTensor]:
+    """Insert the pack and unpack calls and re-lay the saved outputs; what was packed."""
+    inner_set = {n for n in layout.inner if isinstance(n, torch.fx.Node)}
+    taken = _names(forward.graph, backward.graph)
+    replaced: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    packed: list[PackedTensor] = []
+    sym_anchor: list[torch.fx.Node] = []
+    for node, traced, unpack in plans:
+        anchor, leaves = _insert_pack(forward, node, traced, taken)
+        replaced[node] = leaves
+        first_use = _insert_unpack(
+            backward, layout.backward_inputs[node.name], unpack.graph, leaves, sym_anchor
+        )
+        val = node.meta["val"]
+        packed.append(
+            PackedTensor(
+                name=node.name,
+                origin=_origin(node, inner_set),
+                dtype=str(val.dtype),
+                shape=tuple(str(s) for s in val.shape),
+                device=str(val.device),
+                crossing=tuple(leaf.name for leaf in leaves),
+                pack_after=anchor.name,
+                unpack_before=first_use.name if first_use is not None else "",
+                crossing_devices=tuple(_device_of(leaf) for leaf in leaves),
+            )
+        )
+    new_tensors: list[torch.fx.Node] = []
+    new_syms: list[torch.fx.Node] = []
+    for node in layout.saved_tensors:
+        for leaf in replaced.get(node, [node]):
+            (new_syms if is_sym_node(leaf) else new_tensors).append(leaf)
+    layout.output.args = (tuple(layout.inner + new_tensors + new_syms + layout.saved_syms),)
+    forward.graph.lint()  # type: ignore[no-untyped-call]
+    backward.graph.lint()  # type: ignore[no-untyped-call]
+    forward.recompile()
+    backward.recompile()
+    return packed
+
+
+def _unpack_effects_in_backward_order(
+    backward: torch.fx.GraphModule, plans: list[_Plan], packed: list[PackedTensor]
+) -> tuple[HookEffects, ...]:
+    """Unpack side effects in the order the rewritten backward runs the unpacks."""
+    bw_order = {n: i for i, n in enumerate(backward.graph.nodes)}
+    unpack_at = {p.name: bw_order.get(_node_named(backward, p.unpack_before), -1) for p in packed}
+    return tuple(
+        u.effects
+        for _, _, u in sorted(plans, key=lambda item: unpack_at[item[0].name])
+        if u.effects is not None
+    )

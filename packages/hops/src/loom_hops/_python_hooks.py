@@ -2,7 +2,7 @@
 
 :class:`TracedPythonHooks` is the :class:`HookGraphs` for a pair of plain
 functions. The pack hook is traced once per saved tensor metadata (dtype,
-shape, stride, device) with ``loom_hops.tracer.trace_hook``; its graph and the
+shape, stride, device) with ``loom_tracer.trace_hook``; its graph and the
 side-effect-free part of its replay plan (the return value) become the pack
 graph, and its side effects become a replay step run after the compiled
 forward, once per saved tensor, in order. The unpack hook is traced at the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,11 +36,11 @@ from loom_hops._hook_match import (
     roots_of,
     static_mismatch,
 )
-from loom_hops._saved_hooks import HookPair
+from loom_hops._hook_pair import HookPair
 from loom_hops._torch_compat import fake_mode_of, pytree
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
-from loom_hops.tracer import HookUnsupported, TracedHook, trace_hook
 from loom_sidefx import ArgSource, Computed, Op, Original, Ref, ReplayPlan, TensorSlot
+from loom_tracer import HookUnsupported, TracedHook, trace_hook
 
 __all__ = ["TracedPythonHooks", "trace_python_hooks"]
 
@@ -241,8 +242,6 @@ class TracedPythonHooks:
 
     def fingerprint(self) -> str | None:
         """Fingerprints of the traces made so far, combined; ``None`` if any is opaque."""
-        import hashlib
-
         hooks = [hook for hook, _ in self._guards.values()]
         if any(h.opaque for h in hooks):
             return None
@@ -255,5 +254,5 @@ class TracedPythonHooks:
 def trace_python_hooks(
     pair: HookPair, decompositions: Decompositions | None = None
 ) -> TracedPythonHooks | Unsupported:
-    """The :class:`PythonHookTracer` backed by ``loom_hops.tracer``."""
+    """The :class:`PythonHookTracer` backed by ``loom_tracer``."""
     return TracedPythonHooks(pair, decompositions)

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from loom_hops import _torch_compat as compat
 from loom_hops._hook_graphs import HookGraphs
 from loom_hops._hook_match import pair_mismatch
-from loom_hops._saved_hooks import HookPair, active_saved_tensors_hooks
+from loom_hops._hook_pair import HookPair, active_saved_tensors_hooks
 
 __all__ = [
     "eager_saved_tensors_hooks_disabled",

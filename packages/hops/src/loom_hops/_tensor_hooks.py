@@ -19,8 +19,8 @@ import operator
 import torch
 import torch.fx
 
-from loom_hops._pass_result import PassResult
 from loom_hops._torch_compat import autograd_function_apply_op
+from loom_sidefx import PassResult
 
 __all__ = ["order_intermediate_hooks"]
 
@@ -57,7 +57,7 @@ def _only_result(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
-def order_intermediate_hooks(gm: torch.fx.GraphModule) -> PassResult:
+def order_intermediate_hooks(gm: torch.fx.GraphModule) -> PassResult[torch.fx.GraphModule]:
     """Make several ``register_hook`` hooks on one intermediate run in registration order.
 
     >>> order_intermediate_hooks(dynamo_gm).modified   # before AOTAutograd

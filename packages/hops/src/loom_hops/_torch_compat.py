@@ -1,4 +1,4 @@
-"""The only door from ``loom_hops`` (outside the tracer) to private torch APIs.
+"""The only door from ``loom_hops`` to private torch APIs.
 
 Everything here is pinned to torch 2.11 and written so that the next version is
 a small diff: each name is imported once, under one spelling, and re-exported
@@ -41,24 +41,20 @@ __all__ = [
     "detect_fake_mode",
     "disable_proxy_modes_tracing",
     "fake_mode_of",
-    "fake_mode_of_tensor",
     "free_symbols",
     "in_compiled_autograd",
     "install_dynamo_guard",
-    "is_fx_wrapped",
     "is_sym_node",
     "is_symbolic",
     "is_torch_op",
     "is_view_op",
     "make_fx",
     "native_hook_inlining_disabled",
-    "new_fake_mode",
     "python_dispatcher",
     "pytree",
     "reenter_make_fx",
     "saved_tensors_hooks_disabled",
     "saved_tensors_hooks_tracing_disabled",
-    "to_fake",
     "top_saved_tensors_hooks",
     "track_tensor_tree",
 ]
@@ -230,38 +226,3 @@ def is_view_op(target: Any) -> bool:
         return False
     schema = target._schema
     return not schema.is_mutable and any(r.alias_info is not None for r in schema.returns)
-
-
-# --- the hook tracer: fake tensors and the fx.wrap table ------------------------------------
-
-
-def new_fake_mode() -> FakeTensorMode:
-    """A fake mode with static shapes (the tracer guards on exact shapes)."""
-    return FakeTensorMode(allow_non_fake_inputs=False)
-
-
-def fake_mode_of_tensor(t: torch.Tensor) -> FakeTensorMode | None:
-    """The fake mode a tensor already belongs to (for hooks traced on AOT's fakes)."""
-    if isinstance(t, FakeTensor):
-        mode: FakeTensorMode = t.fake_mode
-        return mode
-    return None
-
-
-def to_fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a fake tensor of ``mode`` (itself when it already is one)."""
-    if isinstance(t, FakeTensor) and t.fake_mode is mode:
-        return t
-    return mode.from_tensor(t)
-
-
-def is_fx_wrapped(fn: Any) -> bool:
-    """Whether ``fn`` was registered with ``torch.fx.wrap`` (an opaque leaf for tracing)."""
-    from torch.fx import _symbolic_trace
-
-    name = getattr(fn, "__name__", None)
-    module_globals = getattr(fn, "__globals__", None)
-    if name is None or module_globals is None:
-        return False
-    table: dict[tuple[int, str], Any] = _symbolic_trace._wrapped_fns_to_patch
-    return (id(module_globals), name) in table

@@ -19,17 +19,14 @@ from loom_resize._plan import (
     plan_storage_resizes,
     record_input_storage,
 )
-from loom_resize._result import Change, PassResult
 from loom_resize._shrinks import move_shrinks_after_last_use
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Change",
     "FSDPPatternStack",
     "FillOp",
     "InputResizes",
-    "PassResult",
     "ResizeCase",
     "ResizeKind",
     "ResizePlan",

@@ -31,7 +31,7 @@ from loom_resize._nodes import (
     resize_size,
 )
 from loom_resize._plan import ResizeCase, plan_storage_resizes
-from loom_resize._result import Change, PassResult
+from loom_sidefx import Change, PassResult
 
 __all__ = ["remove_resize_copy_resize"]
 
@@ -193,7 +193,7 @@ def _drop_fill(gm: GraphModule, fill: Node, target: Node) -> None:
     gm.graph.erase_node(fill)
 
 
-def remove_resize_copy_resize(gm: GraphModule) -> PassResult:
+def remove_resize_copy_resize(gm: GraphModule) -> PassResult[GraphModule]:
     """Drop every ``resize up -> fill -> uses -> resize to 0`` chain on a graph input.
 
     Inputs whose chain cannot be removed soundly are left alone; the reason is

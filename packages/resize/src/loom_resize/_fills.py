@@ -19,7 +19,7 @@ from torch.fx.node import Argument
 from loom_resize import _torch_compat as compat
 from loom_resize._nodes import fill_pairs, finish_graph, is_fill
 from loom_resize._plan import ResizePlan, plan_storage_resizes
-from loom_resize._result import Change, PassResult
+from loom_sidefx import Change, PassResult
 
 __all__ = ["rewrite_fills_as_fsdp_copy"]
 
@@ -37,7 +37,9 @@ def _copy_node(gm: GraphModule, before: Node, dst: Node, src: Argument, origin: 
     return new
 
 
-def rewrite_fills_as_fsdp_copy(gm: GraphModule, plan: ResizePlan | None = None) -> PassResult:
+def rewrite_fills_as_fsdp_copy(
+    gm: GraphModule, plan: ResizePlan | None = None
+) -> PassResult[GraphModule]:
     """Rewrite ``copy_`` / ``_foreach_copy_`` into resized inputs as ``fsdp.copy_``.
 
     Refuses (raises :class:`~loom_resize.ResizeRefused`) what

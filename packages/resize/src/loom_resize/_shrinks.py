@@ -17,7 +17,7 @@ from torch.fx import GraphModule, Node
 from loom_resize import _torch_compat as compat
 from loom_resize._nodes import finish_graph, is_resize
 from loom_resize._plan import ResizeCase, plan_storage_resizes
-from loom_resize._result import Change, PassResult
+from loom_sidefx import Change, PassResult
 
 __all__ = ["move_shrinks_after_last_use"]
 
@@ -39,7 +39,7 @@ def _last_reader(order: dict[Node, int], target: Node) -> Node | None:
     return max(readers, key=order.__getitem__, default=None)
 
 
-def move_shrinks_after_last_use(gm: GraphModule) -> PassResult:
+def move_shrinks_after_last_use(gm: GraphModule) -> PassResult[GraphModule]:
     """Move each shrinking input's ``resize_(0)`` after the input's last read.
 
     >>> move_shrinks_after_last_use(fw_gm).changes  # doctest: +SKIP

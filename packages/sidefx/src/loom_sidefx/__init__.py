@@ -10,6 +10,7 @@ from ._guards import (
     constant_guard,
 )
 from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
+from ._pass_result import Change, PassResult
 from ._refusals import Refusal, RefusalError, SideEffectRefusal, SideEffectRefused, Unsupported
 from ._replay import PlanCheckError, ReplayPlan, checks_enabled
 from ._sources import (
@@ -47,6 +48,7 @@ __all__ = [
     "ArgSource",
     "AttrSource",
     "CellContentsSource",
+    "Change",
     "Checkpoint",
     "ClosureSource",
     "Computed",
@@ -65,6 +67,7 @@ __all__ = [
     "Op",
     "OpKind",
     "Original",
+    "PassResult",
     "PlanCheckError",
     "PreexistingObject",
     "Ref",

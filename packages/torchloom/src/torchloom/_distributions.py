@@ -1,4 +1,4 @@
-"""The seven distributions torchloom is made of: what ``torchloom --version``
+"""The eight distributions torchloom is made of: what ``torchloom --version``
 prints and what the cache key records (no torch import here: the command line
 reads it at start-up)."""
 
@@ -12,6 +12,7 @@ LOOM_DISTRIBUTIONS: Final = (
     "torchloom",
     "torchloom-cache",
     "torchloom-hops",
+    "torchloom-tracer",
     "torchloom-resize",
     "torchloom-cudagraph",
     "torchloom-sidefx",

@@ -118,7 +118,7 @@ class GraphRecord:
         ``"hooks"`` (``HooksPlan``), ``"resize"`` (``loom_resize.ResizePlan``),
         ``"cache"`` (``loom_cache.CacheKey``, or the ``CacheBypass`` that says why
         not), ``"cudagraph.<graph>"`` (``loom_cudagraph.PartitionPlan``),
-        ``"resize.<graph>.<pass>"`` (``loom_resize.PassResult``), ``"hooks.placement"``
+        ``"resize.<graph>.<pass>"`` (``loom_sidefx.PassResult``), ``"hooks.placement"``
         (``loom_hops.Placement``), ``"grad_hooks"`` (``loom_hops.GradHookInlining``)::
 
             plan = torchloom.report()[0].plan("cudagraph.forward")

@@ -21,6 +21,7 @@ from typing import Any
 from torch.fx import GraphModule
 
 import loom_resize
+import loom_sidefx
 from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
 from torchloom._options import LoomOptions
 from torchloom._report import GraphRecordBuilder
@@ -32,7 +33,7 @@ log = logging.getLogger("torchloom.resize")
 
 
 def _record(
-    record: GraphRecordBuilder, graph: str, name: str, result: loom_resize.PassResult
+    record: GraphRecordBuilder, graph: str, name: str, result: loom_sidefx.PassResult[GraphModule]
 ) -> None:
     record.add_plan(f"resize.{graph}.{name}", result)
     for change in result.changes:

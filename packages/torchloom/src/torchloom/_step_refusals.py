@@ -105,10 +105,10 @@ class CaptureStepError(RefusalError, RuntimeError):
 @functools.cache
 def _library_dirs() -> tuple[str, ...]:
     import loom_cudagraph
-    import torchloom
 
-    dirs = [Path(torch.__file__).resolve().parent]
-    dirs += [Path(m.__file__).resolve().parent for m in (torchloom, loom_cudagraph) if m.__file__]
+    # This module's own folder is torchloom's (importing ``torchloom`` here would be a cycle).
+    dirs = [Path(torch.__file__).resolve().parent, Path(__file__).resolve().parent]
+    dirs += [Path(m.__file__).resolve().parent for m in (loom_cudagraph,) if m.__file__]
     return tuple(str(d) + os.sep for d in dirs)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loom_hops.tracer import TraceRefusal
+from loom_tracer import TraceRefusal
 
 # Globals the hooks read; every case binds fresh ones with ``with_globals``.
 STATS: Any = None

@@ -12,14 +12,16 @@ from typing import Any
 
 import torch
 
-from .. import _torch_compat
-from .attributes import get_attr
-from .containers import call_dict_method, call_list_method, call_set_method, iterate, set_item
-from .context import TraceContext, is_const, is_symbolic, operand
-from .frame import inline_call
-from .operators import binary_op, python_op, python_value, truthy
-from .refusal import Refused, TraceRefusal, refuse
-from .values import (
+from . import _torch_compat
+from ._builtins import BUILTINS, Builtin, builtin, no_kwargs
+from ._constants import python_op, python_value
+from ._containers import call_dict_method, call_list_method, call_set_method, iterate, set_item
+from ._context import TraceContext, operand
+from ._frame import inline_call
+from ._kinds import is_const, is_symbolic
+from ._operators import binary_op, get_item, truthy
+from ._refusal import TraceRefusal, refuse
+from ._values import (
     ConstV,
     DictV,
     FunctionV,
@@ -35,9 +37,6 @@ from .values import (
     TupleV,
     Value,
 )
-
-Builtin = Callable[[TraceContext, list[Value], dict[str, Value], int], Value]
-BUILTINS: dict[object, Builtin] = {}
 
 # torch namespaces whose callables are never traced (side effects outside tensors).
 _TORCH_DENIED_MODULES = (
@@ -76,17 +75,6 @@ _TORCH_DENIED_NAMES = frozenset(
 )
 
 
-def builtin(*fns: object) -> Callable[[Builtin], Builtin]:
-    def register(impl: Builtin) -> Builtin:
-        for fn in fns:
-            if fn in BUILTINS:
-                raise ValueError(f"builtin {fn!r} registered twice")
-            BUILTINS[fn] = impl
-        return impl
-
-    return register
-
-
 def call_value(
     ctx: TraceContext, fn: Value, args: list[Value], kwargs: dict[str, Value], depth: int
 ) -> Value:
@@ -113,8 +101,6 @@ def call_method(
         return call_value(ctx, ctx.function_value(func, None), [self_v, *args], kwargs, depth)
     if isinstance(self_v, TensorV):
         if name == "__getitem__":
-            from .operators import get_item
-
             return get_item(ctx, self_v, args[0])
         return ctx.call_torch(None, [self_v, *args], kwargs, method=name)
     if kwargs and not isinstance(self_v, ConstV):
@@ -242,17 +228,12 @@ def _hashable(fn: Any) -> bool:
     return True
 
 
-def _no_kwargs(name: str, kwargs: dict[str, Value]) -> None:
-    if kwargs:
-        raise refuse(TraceRefusal.UNSUPPORTED_CALL, f"{name}() with keyword arguments")
-
-
 # ------------------------------------------------------------------ builtins
 
 
 @builtin(len)
 def _len(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-    _no_kwargs("len", kwargs)
+    no_kwargs("len", kwargs)
     (x,) = args
     ctx.require_base_protocol(x, "__len__")
     if isinstance(x, TensorV):
@@ -272,7 +253,7 @@ def _len(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: 
 def _isinstance(
     ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int
 ) -> Value:
-    _no_kwargs("isinstance", kwargs)
+    no_kwargs("isinstance", kwargs)
     x, cls_v = args
     cls = ctx.specialize(cls_v)
     classes = cls if isinstance(cls, tuple) else (cls,)
@@ -291,41 +272,13 @@ def _type(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth:
     return ConstV(ctx.type_of(args[0]))
 
 
-@builtin(getattr)
-def _getattr(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-    _no_kwargs("getattr", kwargs)
-    name = ctx.specialize(args[1])
-    try:
-        return get_attr(ctx, args[0], name, depth)
-    except Refused as exc:
-        if (
-            len(args) == 3
-            and exc.kind is TraceRefusal.HOOK_RAISES
-            and exc.explanation.startswith("AttributeError")
-        ):
-            return args[2]
-        raise
-
-
-@builtin(hasattr)
-def _hasattr(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-    _no_kwargs("hasattr", kwargs)
-    try:
-        get_attr(ctx, args[0], ctx.specialize(args[1]), depth)
-    except Refused as exc:
-        if exc.kind is TraceRefusal.HOOK_RAISES and exc.explanation.startswith("AttributeError"):
-            return ConstV(False)
-        raise
-    return ConstV(True)
-
-
 def _items_of(ctx: TraceContext, args: list[Value]) -> list[Value]:
     return ctx.sequence_items(args[0]) if len(args) == 1 else list(args)
 
 
 def _make_min_max(fn: Callable[..., Any]) -> Builtin:
     def impl(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-        _no_kwargs(fn.__name__, kwargs)
+        no_kwargs(fn.__name__, kwargs)
         items = _items_of(ctx, args)
         if any(isinstance(x, TensorV) for x in items):
             raise refuse(
@@ -345,14 +298,14 @@ BUILTINS[max] = _make_min_max(max)
 
 @builtin(range)
 def _range(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-    _no_kwargs("range", kwargs)
+    no_kwargs("range", kwargs)
     return ConstV(python_op(range, *[ctx.specialize(a) for a in args]))
 
 
 @builtin(enumerate)
 def _enumerate(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
     start = ctx.specialize(kwargs.pop("start", args[1] if len(args) > 1 else ConstV(0)))
-    _no_kwargs("enumerate", kwargs)
+    no_kwargs("enumerate", kwargs)
     items = ctx.sequence_items(args[0])
     return IteratorV([TupleV((ConstV(start + i), x)) for i, x in enumerate(items)])
 
@@ -360,7 +313,7 @@ def _enumerate(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], d
 @builtin(zip)
 def _zip(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
     strict = bool(ctx.specialize(kwargs.pop("strict", ConstV(False))))
-    _no_kwargs("zip", kwargs)
+    no_kwargs("zip", kwargs)
     seqs = [ctx.sequence_items(a) for a in args]
     if strict and len({len(s) for s in seqs}) > 1:
         raise refuse(TraceRefusal.HOOK_RAISES, "ValueError: zip() arguments have different lengths")
@@ -369,19 +322,19 @@ def _zip(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: 
 
 @builtin(reversed)
 def _reversed(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-    _no_kwargs("reversed", kwargs)
+    no_kwargs("reversed", kwargs)
     return IteratorV(list(reversed(ctx.sequence_items(args[0]))))
 
 
 @builtin(iter)
 def _iter(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-    _no_kwargs("iter", kwargs)
+    no_kwargs("iter", kwargs)
     return iterate(ctx, args[0])
 
 
 @builtin(next)
 def _next(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-    _no_kwargs("next", kwargs)
+    no_kwargs("next", kwargs)
     it = args[0]
     if not isinstance(it, IteratorV):
         raise refuse(TraceRefusal.UNSUPPORTED_CALL, f"next() on a {it.py_type.__qualname__}")
@@ -396,14 +349,14 @@ def _next(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth:
 @builtin(sorted)
 def _sorted(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
     reverse = bool(ctx.specialize(kwargs.pop("reverse", ConstV(False))))
-    _no_kwargs("sorted", kwargs)
+    no_kwargs("sorted", kwargs)
     values = [python_value(ctx, x) for x in ctx.sequence_items(args[0])]
     return ctx.new_list(ConstV(v) for v in python_op(sorted, values, reverse=reverse))
 
 
 def _make_container(kind: type) -> Builtin:
     def impl(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-        _no_kwargs(kind.__name__, kwargs)
+        no_kwargs(kind.__name__, kwargs)
         items = ctx.sequence_items(args[0]) if args else []
         if kind is list:
             return ctx.new_list(items)
@@ -430,7 +383,7 @@ def _dict(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth:
 
 def _make_scalar(fn: Callable[..., Any]) -> Builtin:
     def impl(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-        _no_kwargs(getattr(fn, "__name__", "?"), kwargs)
+        no_kwargs(getattr(fn, "__name__", "?"), kwargs)
         if fn is abs and len(args) == 1 and isinstance(args[0], TensorV):
             return ctx.call_torch(operator.abs, args, {})
         if fn is bool and len(args) == 1:
@@ -466,7 +419,7 @@ for _scalar_fn in (
 
 @builtin(sum)
 def _sum(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-    _no_kwargs("sum", kwargs)
+    no_kwargs("sum", kwargs)
     total: Value = args[1] if len(args) > 1 else ConstV(0)
     for x in ctx.sequence_items(args[0]):
         total = binary_op(ctx, "+", total, x)
@@ -483,7 +436,7 @@ BUILTINS[all] = lambda ctx, args, kwargs, depth: ConstV(
 
 @builtin(map)
 def _map(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-    _no_kwargs("map", kwargs)
+    no_kwargs("map", kwargs)
     seqs = [ctx.sequence_items(a) for a in args[1:]]
     return IteratorV(
         [call_value(ctx, args[0], list(group), {}, depth) for group in zip(*seqs, strict=False)]
@@ -492,7 +445,7 @@ def _map(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: 
 
 @builtin(filter)
 def _filter(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-    _no_kwargs("filter", kwargs)
+    no_kwargs("filter", kwargs)
     pred = args[0]
     items = ctx.sequence_items(args[1])
     if isinstance(pred, ConstV) and pred.value is None:
@@ -502,16 +455,6 @@ def _filter(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], dept
 
 def _make_refused(fn: Callable[..., Any]) -> Builtin:
     def impl(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
-        if fn is setattr:
-            from .attributes import set_attr
-
-            set_attr(ctx, args[0], ctx.specialize(args[1]), args[2])
-            return ConstV(None)
-        if fn is delattr:
-            from .attributes import del_attr
-
-            del_attr(ctx, args[0], ctx.specialize(args[1]))
-            return ConstV(None)
         kind = (
             TraceRefusal.UNSUPPORTED_SIDE_EFFECT
             if fn in (print, input, open)
@@ -537,7 +480,5 @@ for _refused_fn in (
     globals,
     locals,
     vars,
-    setattr,
-    delattr,
 ):
     BUILTINS[_refused_fn] = _make_refused(_refused_fn)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dis
 
-from .._pyversion import FOR_ITER_SKIPS_END_FOR, PY311, PY312
-from .containers import iterate
-from .frame import Frame, handles
-from .operators import is_same, truthy
-from .refusal import TraceRefusal, refuse
-from .values import ConstV, GradExitV, GradModeV, IteratorV, Value
+from ._containers import iterate
+from ._frame import Frame, handles
+from ._operators import is_same, truthy
+from ._pyversion import FOR_ITER_SKIPS_END_FOR, PY311, PY312
+from ._refusal import TraceRefusal, refuse
+from ._values import ConstV, GradExitV, GradModeV, IteratorV, Value
 
 _NONE = ConstV(None)
 

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from loom_hops.tracer import (
+from loom_sidefx import Computed, OpKind, Original, TensorSlot
+from loom_tracer import (
     GuardKind,
     HookUnsupported,
     ReplayPlan,
@@ -25,13 +26,12 @@ from loom_hops.tracer import (
     TraceRefusal,
     trace_hook,
 )
-from loom_hops.tracer.frame import HANDLERS, handles
-from loom_sidefx import Computed, OpKind, Original, TensorSlot
+from loom_tracer._frame import HANDLERS, handles
 
 sys.path.insert(0, str(Path(__file__).parent))
 import corpus
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def traced(fn: Any, *args: Any) -> TracedHook:
@@ -237,7 +237,7 @@ _FINGERPRINT_SCRIPT = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, {tests!r})
     import corpus
-    from loom_hops.tracer import trace_hook
+    from loom_tracer import trace_hook
     out = []
     for name in ("quantize_fp8_by_dtype", "counter_in_closure", "shapes_appended_to_global_list",
                  "set_of_seen_dtypes", "list_subclass_with_overridden_append"):
@@ -278,8 +278,12 @@ def test_fingerprint_changes_with_guarded_values_and_code() -> None:
 
 
 def test_python_version_checks_live_only_in_pyversion() -> None:
-    src = ROOT / "packages" / "hops" / "src" / "loom_hops" / "tracer"
-    offenders = [p.name for p in src.rglob("*.py") if "version_info" in p.read_text()]
+    src = ROOT / "packages" / "tracer" / "src" / "loom_tracer"
+    offenders = [
+        p.name
+        for p in src.rglob("*.py")
+        if p.name != "_pyversion.py" and "version_info" in p.read_text()
+    ]
     assert not offenders
 
 

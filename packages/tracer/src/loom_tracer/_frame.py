@@ -19,9 +19,9 @@ from collections.abc import Callable
 from loom_cells import CellRefused, FrameCells
 from loom_sidefx import ObjectSource
 
-from .context import TraceContext, cell_refusal
-from .refusal import Refused, TraceRefusal, refuse
-from .values import FunctionV, IteratorV, TupleV, Value
+from ._context import TraceContext, cell_refusal
+from ._refusal import Refused, TraceRefusal, refuse
+from ._values import FunctionV, IteratorV, TupleV, Value
 
 Handler = Callable[["Frame", dis.Instruction], None]
 HANDLERS: dict[str, Handler] = {}

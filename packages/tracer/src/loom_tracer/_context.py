@@ -45,14 +45,16 @@ from loom_sidefx import (
 )
 from loom_sidefx import Value as Recorded
 
-from .. import _torch_compat
-from .effects import PlanRecorder
-from .predicates import EqualTo, TensorMeta
-from .refusal import Refused, TraceRefusal, refuse
-from .values import (
+from . import _torch_compat
+from ._effects import PlanRecorder
+from ._kinds import SYMBOLIC_TYPES, is_const, is_symbolic
+from ._predicates import EqualTo, TensorMeta
+from ._refusal import Refused, TraceRefusal, refuse
+from ._values import (
     ConstV,
     DictV,
     FunctionV,
+    IteratorV,
     LazyNum,
     ListV,
     ObjectV,
@@ -63,43 +65,6 @@ from .values import (
     TupleV,
     Value,
 )
-
-_CONST_TYPES: tuple[type, ...] = (
-    type(None),
-    bool,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-    torch.Size,
-    range,
-    slice,
-    type(Ellipsis),
-)
-
-
-def is_const(obj: object) -> bool:
-    """Immutable data that can be baked into a trace (after a guard if it came from a source)."""
-    if isinstance(obj, (tuple, frozenset)) and type(obj) in (tuple, frozenset):
-        return all(is_const(x) for x in obj)
-    return type(obj) in _CONST_TYPES or isinstance(obj, BaseException)
-
-
-_SYMBOLIC_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
-
-
-def is_symbolic(value: object) -> bool:
-    """Whether a value is, or holds, a size of a tensor with dynamic shapes."""
-    if isinstance(value, _SYMBOLIC_TYPES):
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(is_symbolic(x) for x in value)
-    return False
 
 
 def operand(ctx: TraceContext, v: Value) -> Any:
@@ -483,8 +448,6 @@ class TraceContext:
 
     def sequence_items(self, v: Value) -> list[Value]:
         """The items of an iterable value, for iteration, unpacking and builtins."""
-        from .values import IteratorV
-
         self.require_base_protocol(v, "__iter__", "__len__")
 
         if isinstance(v, ListV):
@@ -633,14 +596,14 @@ class TraceContext:
         if isinstance(out, torch.Tensor):
             node.meta["val"] = out
             return TensorV(node, out)
-        if isinstance(out, _SYMBOLIC_TYPES):
+        if isinstance(out, SYMBOLIC_TYPES):
             return SymV(node, out)
         if isinstance(out, (tuple, list)) and any(
-            isinstance(x, (torch.Tensor, *_SYMBOLIC_TYPES)) for x in out
+            isinstance(x, (torch.Tensor, *SYMBOLIC_TYPES)) for x in out
         ):
             items: list[Value] = []
             for i, x in enumerate(out):
-                if isinstance(x, (torch.Tensor, *_SYMBOLIC_TYPES)):
+                if isinstance(x, (torch.Tensor, *SYMBOLIC_TYPES)):
                     item = self.graph.call_function(operator.getitem, (node, i))
                     items.append(self.wrap_result(x, item))
                 elif is_const(x):
@@ -680,7 +643,7 @@ class TraceContext:
     def finish(self, result: Value) -> tuple[torch.fx.GraphModule, ReplayPlan, int]:
         """Graph outputs + replay plan for the hook's return value and buffered effects."""
         self.guard_no_aliasing()
-        recorder = PlanRecorder(self)
+        recorder = PlanRecorder(self.side_effects)
         plan, num_user = recorder.finish(result)
         for guard in (*recorder.se.observed_guards(), *self.cells.guards()):
             self.guards.setdefault(guard, None)

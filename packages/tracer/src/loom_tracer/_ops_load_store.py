@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dis
 
-from .._pyversion import LOAD_ATTR_HAS_METHOD_BIT, PY311, PY312
-from .attributes import del_attr, get_attr, set_attr
-from .frame import Frame, handles
-from .refusal import TraceRefusal, refuse
-from .values import NULL, CellRefV, ConstV, SuperV, Value
+from ._attributes import del_attr, get_attr, set_attr
+from ._frame import Frame, handles
+from ._pyversion import LOAD_ATTR_HAS_METHOD_BIT, PY311, PY312
+from ._refusal import TraceRefusal, refuse
+from ._values import NULL, CellRefV, ConstV, SuperV, Value
 
 
 def _const(value: object) -> Value:

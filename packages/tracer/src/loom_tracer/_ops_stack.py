@@ -8,13 +8,15 @@ from typing import Any
 
 from loom_sidefx import Staged
 
-from .._pyversion import PY311, PY312
-from .containers import list_append
-from .containers import set_item as dict_set_item
-from .frame import Frame, handles
-from .operators import del_item, get_item, python_op, python_value, set_item
-from .refusal import TraceRefusal, refuse
-from .values import NULL, ConstV, DictV, ListV, SetV, SliceV, SymV, TupleV, Value
+from ._constants import python_op, python_value
+from ._containers import list_append
+from ._containers import set_item as dict_set_item
+from ._frame import Frame, handles
+from ._operators import del_item, get_item, set_item
+from ._ops_arith import unary_positive
+from ._pyversion import PY311, PY312
+from ._refusal import TraceRefusal, refuse
+from ._values import NULL, ConstV, DictV, ListV, SetV, SliceV, SymV, TupleV, Value
 
 _CONVERSIONS: dict[int, Callable[[Any], str]] = {1: str, 2: repr, 3: ascii}
 # CPython's CALL_INTRINSIC_1 operands (Include/internal/pycore_intrinsics.h, 3.12).
@@ -198,8 +200,6 @@ def _call_intrinsic_1(frame: Frame, inst: dis.Instruction) -> None:
     if inst.arg == _INTRINSIC_LIST_TO_TUPLE:
         frame.push(_tuple_of(frame.ctx.sequence_items(frame.pop())))
     elif inst.arg == _INTRINSIC_UNARY_POSITIVE:
-        from .ops_arith import unary_positive
-
         unary_positive(frame)
     else:
         raise refuse(TraceRefusal.UNSUPPORTED_OPCODE, f"CALL_INTRINSIC_1 {inst.argrepr}")

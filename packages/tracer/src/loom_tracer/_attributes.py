@@ -17,9 +17,12 @@ import torch
 
 from loom_sidefx import AttrSource, GuardKind, Missing, ObjectSource, Staged
 
-from .context import TraceContext, is_const, is_symbolic, slot
-from .refusal import TraceRefusal, refuse
-from .values import (
+from ._builtins import builtin, no_kwargs
+from ._calls import call_value
+from ._context import TraceContext, slot
+from ._kinds import is_const, is_symbolic
+from ._refusal import Refused, TraceRefusal, refuse
+from ._values import (
     ConstV,
     FunctionV,
     LazyNum,
@@ -217,8 +220,6 @@ def _object_attr(ctx: TraceContext, v: ObjectV, name: str, depth: int) -> Value:
     static = _static_lookup(cls, name)
     if static is not None and _is_data_descriptor(static):
         if isinstance(static, property) and isinstance(static.fget, types.FunctionType):
-            from .calls import call_value
-
             getter = ctx.function_value(static.fget, None)
             return call_value(ctx, getter, [v], {}, depth)
         raise refuse(
@@ -302,3 +303,48 @@ def del_attr(ctx: TraceContext, v: Value, name: str) -> None:
     get_attr(ctx, v, name, 0)  # AttributeError if it is not there
     with ctx.log() as se:
         se.del_attr(v.ref, name)
+
+
+# ------------------------------------------------------------------ builtins
+
+
+@builtin(getattr)
+def _getattr(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
+    no_kwargs("getattr", kwargs)
+    name = ctx.specialize(args[1])
+    try:
+        return get_attr(ctx, args[0], name, depth)
+    except Refused as exc:
+        if (
+            len(args) == 3
+            and exc.kind is TraceRefusal.HOOK_RAISES
+            and exc.explanation.startswith("AttributeError")
+        ):
+            return args[2]
+        raise
+
+
+@builtin(hasattr)
+def _hasattr(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
+    no_kwargs("hasattr", kwargs)
+    try:
+        get_attr(ctx, args[0], ctx.specialize(args[1]), depth)
+    except Refused as exc:
+        if exc.kind is TraceRefusal.HOOK_RAISES and exc.explanation.startswith("AttributeError"):
+            return ConstV(False)
+        raise
+    return ConstV(True)
+
+
+@builtin(setattr)
+def _setattr(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
+    no_kwargs("setattr", kwargs)
+    set_attr(ctx, args[0], ctx.specialize(args[1]), args[2])
+    return ConstV(None)
+
+
+@builtin(delattr)
+def _delattr(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
+    no_kwargs("delattr", kwargs)
+    del_attr(ctx, args[0], ctx.specialize(args[1]))
+    return ConstV(None)

@@ -18,8 +18,8 @@ import torch.fx
 
 from loom_sidefx import Guard, GuardKind, ReplayPlan, Source
 
-from .._pyversion import PY_TAG
-from .predicates import describe_object, stable_repr
+from ._predicates import describe_object, stable_repr
+from ._pyversion import PY_TAG
 
 FORMAT_VERSION = "loom-hook-tracer/2"
 

@@ -12,17 +12,19 @@ import torch.fx
 
 from loom_sidefx import ArgSource, ObjectSource, compile_guards
 
-from .. import _torch_compat
-from . import ops_arith as _ops_arith  # noqa: F401  (registers handlers)
-from . import ops_call as _ops_call  # noqa: F401
-from . import ops_control as _ops_control  # noqa: F401
-from . import ops_load_store as _ops_load_store  # noqa: F401
-from . import ops_stack as _ops_stack  # noqa: F401
-from .context import TraceContext
-from .fingerprint import compute_fingerprint
-from .frame import inline_call, make_root_function
-from .refusal import HookUnsupported, Refused, TraceRefusal, refuse
-from .traced import TracedHook
+from . import (
+    _ops_arith,  # noqa: F401  (registers handlers)
+    _ops_call,  # noqa: F401
+    _ops_control,  # noqa: F401
+    _ops_load_store,  # noqa: F401
+    _ops_stack,  # noqa: F401
+    _torch_compat,
+)
+from ._context import TraceContext
+from ._fingerprint import compute_fingerprint
+from ._frame import inline_call, make_root_function
+from ._refusal import HookUnsupported, Refused, TraceRefusal, refuse
+from ._traced import TracedHook
 
 log = logging.getLogger("torchloom.hops.tracer")
 

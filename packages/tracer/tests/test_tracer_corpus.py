@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from loom_hops.tracer import HookUnsupported, TracedHook, trace_hook
+from loom_tracer import HookUnsupported, TracedHook, trace_hook
 
 sys.path.insert(0, str(Path(__file__).parent))
 import corpus

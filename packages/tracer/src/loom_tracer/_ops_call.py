@@ -7,10 +7,10 @@ import types
 
 from loom_cells import Cell
 
-from .calls import call_value
-from .frame import Frame, handles
-from .refusal import TraceRefusal, refuse
-from .values import NULL, CellRefV, ConstV, DictV, FunctionV, SuperV, TupleV, Value
+from ._calls import call_value
+from ._frame import Frame, handles
+from ._refusal import TraceRefusal, refuse
+from ._values import NULL, CellRefV, ConstV, DictV, FunctionV, SuperV, TupleV, Value
 
 _MAKE_FUNCTION_DEFAULTS = 0x01
 _MAKE_FUNCTION_KWDEFAULTS = 0x02

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dis
 import operator
 
-from .._pyversion import PY311
-from .frame import Frame, handles
-from .operators import binary_op, compare, contains, is_same, truthy, unary
-from .values import ConstV
+from ._frame import Frame, handles
+from ._operators import binary_op, compare, contains, is_same, truthy, unary
+from ._pyversion import PY311
+from ._values import ConstV
 
 
 @handles("BINARY_OP")

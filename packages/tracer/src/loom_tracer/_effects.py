@@ -15,8 +15,6 @@ symbolic sizes) is refused here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch.fx
 
 from loom_cells import CellRefused
@@ -26,15 +24,17 @@ from loom_sidefx import (
     Ref,
     ReplayPlan,
     SideEffectRefused,
+    SideEffects,
     Staged,
     TensorSlot,
     is_constant,
 )
 from loom_sidefx import Value as Recorded
 
-from .predicates import stable_repr
-from .refusal import Refused, TraceRefusal, refuse
-from .values import (
+from ._kinds import is_symbolic
+from ._predicates import stable_repr
+from ._refusal import Refused, TraceRefusal, refuse
+from ._values import (
     ConstV,
     DictV,
     FunctionV,
@@ -48,9 +48,6 @@ from .values import (
     Value,
 )
 
-if TYPE_CHECKING:
-    from .context import TraceContext
-
 
 def constant_value(value: object) -> Recorded:
     """A trace-time constant as a recorded value (non-builtin ones held by identity)."""
@@ -62,15 +59,15 @@ def constant_value(value: object) -> Recorded:
 class PlanRecorder:
     """Converts values into recorded values, allocating graph slots and new objects."""
 
-    def __init__(self, ctx: TraceContext) -> None:
-        self.se = ctx.side_effects
+    def __init__(self, side_effects: SideEffects) -> None:
+        self.se = side_effects
         self.slots: list[torch.fx.Node] = []
         self.slot_of: dict[torch.fx.Node, TensorSlot] = {}
 
     def value(self, v: Value) -> Recorded:
         if isinstance(v, LazyNum):
             return v.ref
-        if isinstance(v, SymV) or (isinstance(v, ConstV) and _symbolic(v.value)):
+        if isinstance(v, SymV) or (isinstance(v, ConstV) and is_symbolic(v.value)):
             raise refuse(
                 TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
                 "a symbolic size would be stored or returned as a Python value",
@@ -148,9 +145,3 @@ def _live(v: Value) -> object:
     if isinstance(v, FunctionV):
         return v.fn
     return None
-
-
-def _symbolic(value: object) -> bool:
-    from .context import is_symbolic
-
-    return is_symbolic(value)

@@ -19,12 +19,13 @@ import torch
 from loom_sidefx import COMPUTE_OPS, Computed, Staged
 from loom_sidefx import Value as Recorded
 
-from .context import TraceContext, operand, slot
-from .refusal import TraceRefusal, refuse
-from .values import (
+from ._constants import python_op, python_value
+from ._containers import list_extend
+from ._context import TraceContext, operand, slot
+from ._refusal import TraceRefusal, refuse
+from ._values import (
     ConstV,
     DictV,
-    IteratorV,
     LazyNum,
     ListV,
     ObjectV,
@@ -64,14 +65,6 @@ COMPARE_OPS: dict[str, Callable[[Any, Any], Any]] = {
 }
 
 
-def python_op(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Evaluate an operation on constants; an exception is the hook's own error."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as exc:
-        raise refuse(TraceRefusal.HOOK_RAISES, f"{type(exc).__name__}: {exc}") from None
-
-
 def _ref_of(v: Value) -> tuple[Recorded, tuple[Any, ...]]:
     if isinstance(v, LazyNum):
         return v.ref, v.leaves
@@ -91,8 +84,6 @@ def binary_op(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
     if isinstance(a, SymV) or isinstance(b, SymV):
         return ctx.call_torch(PLAIN_OPS[base], [a, b], {})
     if isinstance(a, ListV) and base == "+" and inplace:
-        from .containers import list_extend
-
         list_extend(ctx, a, b)
         return a
     if isinstance(a, (ListV, TupleV)) and base in ("+", "*"):
@@ -146,20 +137,6 @@ def compare(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
         for v in (a, b)
     )
     return ConstV(python_op(COMPARE_OPS[symbol], x, y))
-
-
-def python_value(ctx: TraceContext, v: Value) -> Any:
-    """A plain Python copy of a constant-like value (containers of constants included)."""
-    if isinstance(v, IteratorV):
-        return iter([python_value(ctx, x) for x in ctx.sequence_items(v)])
-    if isinstance(v, (ListV, TupleV)) and v.py_type in (list, tuple):
-        items = [python_value(ctx, x) for x in ctx.sequence_items(v)]
-        return items if isinstance(v, ListV) else tuple(items)
-    if isinstance(v, DictV) and v.py_type is dict:
-        return {k: python_value(ctx, x) for k, x in ctx.dict_items(v).items()}
-    if isinstance(v, SetV) and v.py_type is set:
-        return set(ctx.set_items(v))
-    return ctx.specialize(v)
 
 
 def is_same(ctx: TraceContext, a: Value, b: Value) -> bool:

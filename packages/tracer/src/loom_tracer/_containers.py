@@ -12,10 +12,10 @@ from typing import Any
 
 from loom_sidefx import Staged
 
-from .context import TraceContext
-from .operators import python_op, python_value
-from .refusal import TraceRefusal, refuse
-from .values import ConstV, DictV, IteratorV, ListV, SetV, TupleV, Value
+from ._constants import python_op, python_value
+from ._context import TraceContext
+from ._refusal import TraceRefusal, refuse
+from ._values import ConstV, DictV, IteratorV, ListV, SetV, TupleV, Value
 
 
 def list_extend(ctx: TraceContext, lst: ListV, other: Value) -> None:

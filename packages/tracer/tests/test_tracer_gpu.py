@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from loom_hops.tracer import TracedHook, trace_hook
+from loom_tracer import TracedHook, trace_hook
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tracer_corpus import assert_same
