@@ -664,7 +664,7 @@ class CapturedSegment:
             )
             where = ""
         self._skip(
-            SkipReason.RERECORD_BUDGET,
+            SkipReason.RECORDING_BUDGET,
             explanation,
             "update parameters in place (p.copy_(new)) instead of assigning new tensors, "
             "or raise cudagraph_max_recording",

@@ -1,4 +1,4 @@
-"""The seven distributions torchloom is made of: what ``torchloom --version``
+"""The eight distributions torchloom is made of: what ``torchloom --version``
 prints and what the cache key records (no torch import here: the command line
 reads it at start-up)."""
 
@@ -14,6 +14,7 @@ LOOM_DISTRIBUTIONS: Final = (
     "torchloom-hops",
     "torchloom-resize",
     "torchloom-cudagraph",
+    "torchloom-step",
     "torchloom-sidefx",
     "torchloom-cells",
 )
