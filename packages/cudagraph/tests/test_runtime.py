@@ -450,6 +450,26 @@ def test_input_that_keeps_its_address_is_read_in_place_without_a_copy() -> None:
     assert cap.captures == 1 and cap.replays == 5
 
 
+def test_a_fresh_tensor_at_the_warm_up_inputs_address_is_copied_not_read_in_place() -> None:
+    # A backward's incoming gradient is a new tensor every step that the allocator
+    # often places where the warm-up's was: the address alone must not make it
+    # "stable" (read in place), or the next step's gradient elsewhere records again.
+    from loom_cudagraph._torch_compat import non_owning_alias
+
+    x = torch.randn(3)
+    run, cap = compile_host(lambda t: t * 3, x)
+    call(run, x)  # the warm-up
+    same_place = non_owning_alias(x)  # another storage over the warm-up's memory
+    assert same_place.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(call(run, same_place)[0], x * 3)
+    rec = run._steps[0][0]._hot  # type: ignore[attr-defined]
+    assert rec.copy_idx == [0] and rec.stable_idx == []
+    for _ in range(3):  # fresh tensors anywhere replay the one recording
+        y = torch.randn(3)
+        torch.testing.assert_close(call(run, y)[0], y * 3)
+    assert cap.captures == 1
+
+
 def test_stable_input_that_moves_is_copied_from_then_on_without_spending_budget(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

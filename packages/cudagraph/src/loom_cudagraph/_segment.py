@@ -32,6 +32,7 @@ from loom_cudagraph._pool import MemoryPool, Reuse, Watch, adopt_if_held, prune_
 from loom_cudagraph._reasons import SkipReason, Unsupported
 from loom_cudagraph._skiplog import report_skip
 from loom_cudagraph._torch_compat import (
+    StorageWeakRef,
     data_ptrs_at_indices_equal,
     foreach_copy_,
     mark_boxed,
@@ -239,6 +240,7 @@ class _Table:
         "retires",
         "unstable",
         "warm_ptrs",
+        "warm_storages",
     )
 
     def __init__(self, owner: CapturedSegment) -> None:
@@ -252,6 +254,10 @@ class _Table:
         self.exhausted = False
         #: data pointers of the warm-up call's inputs (``None`` for non-tensors)
         self.warm_ptrs: list[int | None] = []
+        #: the warm-up call's input storages, by identity and weakly: an input is
+        #: "stable" only while the same storage comes back, not a fresh tensor
+        #: that the allocator happened to place at the same address
+        self.warm_storages: list[tuple[int, StorageWeakRef] | None] = []
         #: an input used in place for its stable address moved: copy such inputs
         self.unstable = False
 
@@ -429,9 +435,13 @@ class CapturedSegment:
         # NOTE: the warm-up is the user's call itself, run uncaptured (it draws
         # the same random numbers as uncaptured compiled code would).
         self._tables[key] = table = _Table(self)
+        strided = [isinstance(v, torch.Tensor) and v.layout == torch.strided for v in inputs]
         table.warm_ptrs = [
-            v.data_ptr() if isinstance(v, torch.Tensor) and v.layout == torch.strided else None
-            for v in inputs
+            v.data_ptr() if s else None for v, s in zip(inputs, strided, strict=True)
+        ]
+        table.warm_storages = [
+            (storage_id(v), storage_weak_ref(v)) if s else None
+            for v, s in zip(inputs, strided, strict=True)
         ]
 
     def _record(
@@ -481,6 +491,7 @@ class CapturedSegment:
             elif (
                 not table.unstable
                 and v.data_ptr() == table.warm_ptrs[i]
+                and _same_storage(table.warm_storages[i], v)
                 and (stable_ok is None or i in stable_ok)
             ):
                 inplace_idx.append(i)
@@ -504,7 +515,11 @@ class CapturedSegment:
         if pool is not None and not pool.reuse_free(pool.reusable(views), inputs):
             # NOTE: an output whose memory went back to the shared pool is held
             # again (an alias from a replay): a capture there could be given it.
-            log.debug("cudagraph: %s: shared pool busy, recording into its own", self.spec.name)
+            log.debug(
+                "cudagraph: %s: shared pool busy, recording into its own: %s",
+                self.spec.name,
+                pool.describe_reuse(pool.reusable(views), inputs),
+            )
             pool = None
         if pool is None:
             pool = MemoryPool(self.capturer.new_pool_handle())
@@ -704,6 +719,16 @@ def _usable(rec: _Recording, inputs: list[Any]) -> bool:
     """Whether ``rec`` may replay for ``inputs`` (see ``MemoryPool``)."""
     pool = rec.pool
     return not pool.blocked(rec) and (not rec.reuse or pool.reuse_free(rec.reuse, inputs))
+
+
+def _same_storage(warm: tuple[int, StorageWeakRef] | None, v: torch.Tensor) -> bool:
+    """Whether ``v`` is over the warm-up input's storage itself (alive, same identity).
+
+    An address alone is no evidence: a backward's incoming gradient is a fresh
+    tensor every step, and the allocator often (not always) places it where the
+    warm-up's was; read in place, the next step's gradient elsewhere would make
+    the segment record again, into a pool of its own."""
+    return warm is not None and not warm[1].expired() and storage_id(v) == warm[0]
 
 
 def _stable_input_moved(table: _Table, inputs: list[Any]) -> bool:
