@@ -41,12 +41,12 @@ Memory columns (CUDA, MiB; as ``bench_hf.py``'s):
   autotuning), which is freed again and is no step memory.
 
 ``--micro`` (CPU, no GPU needed) times capture_step's real per-call path, with
-a device stand-in whose capture runs the step once and whose replay does nothing:
-the guard check, the argument copy, gradients and output handling. Rows: the
-one-kernel step (no module or optimizer tracked, one tensor argument), the MLP
-and GPT-stack training steps (SGD with momentum), and ``raw`` (a bare replay and
-input copy of the one-kernel step: the floor). It asserts that every timed call
-took the per-call fast path.
+a capturer (a ``loom_cudagraph.HostCapturer``) whose capture runs the step once
+and whose replay does nothing: the guard check, the argument copy, gradients and
+output handling. Rows: the one-kernel step (no module or optimizer tracked, one
+tensor argument), the MLP and GPT-stack training steps (SGD with momentum), and
+``raw`` (a bare replay and input copy of the one-kernel step: the floor). It
+asserts that every timed call took the per-call fast path.
 
     python benchmarks/bench_step.py --device cuda
     python benchmarks/bench_step.py --smoke        # CPU: checks that it runs (uncaptured)
