@@ -44,6 +44,7 @@ PACKAGES: dict[str, str] = {
     "hops": "torchloom-hops",
     "resize": "torchloom-resize",
     "cudagraph": "torchloom-cudagraph",
+    "step": "torchloom-step",
     "cache": "torchloom-cache",
     "torchloom": "torchloom",
 }

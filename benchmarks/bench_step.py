@@ -41,12 +41,12 @@ Memory columns (CUDA, MiB; as ``bench_hf.py``'s):
   autotuning), which is freed again and is no step memory.
 
 ``--micro`` (CPU, no GPU needed) times capture_step's real per-call path, with
-a device stand-in whose capture runs the step once and whose replay does nothing:
-the guard check, the argument copy, gradients and output handling. Rows: the
-one-kernel step (no module or optimizer tracked, one tensor argument), the MLP
-and GPT-stack training steps (SGD with momentum), and ``raw`` (a bare replay and
-input copy of the one-kernel step: the floor). It asserts that every timed call
-took the per-call fast path.
+a capturer (a ``loom_cudagraph.HostCapturer``) whose capture runs the step once
+and whose replay does nothing: the guard check, the argument copy, gradients and
+output handling. Rows: the one-kernel step (no module or optimizer tracked, one
+tensor argument), the MLP and GPT-stack training steps (SGD with momentum), and
+``raw`` (a bare replay and input copy of the one-kernel step: the floor). It
+asserts that every timed call took the per-call fast path.
 
     python benchmarks/bench_step.py --device cuda
     python benchmarks/bench_step.py --smoke        # CPU: checks that it runs (uncaptured)
@@ -75,6 +75,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from _harness import append_results, format_table, parse_args, ratio, sync, time_fn
 from workloads import size_for, workloads
 
+import loom_cudagraph
+import loom_step
 import torchloom
 
 TRAIN_TARGET_RAW = 1.10
@@ -249,20 +251,12 @@ def variants(setup: Setup, device: torch.device, smoke: bool) -> dict[str, Calla
     }
 
 
-class _NoopDevice:
+class _NoopCapturer(loom_cudagraph.HostCapturer):
     """A capture that runs the step once and a replay that does nothing: what is
     left of a call is capture_step's own host work (guards, copies, gradients)."""
 
-    type = "cpu"
-
-    def available(self) -> bool:
-        return True
-
-    def warm_up(self, fn: Callable[[], Any], syncs: list[Any]) -> Any:
-        return fn()
-
-    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
-        return None, fn()
+    def capture_call(self, fn: Any, pool: Any, keep: Any = ()) -> tuple[Any, list[Any]]:
+        return None, list(fn())
 
     def replayer(self, graph: Any) -> Callable[[], object]:
         return _no_replay
@@ -306,20 +300,18 @@ def _per_call_us(call: Callable[[], Any], calls: int, rounds: int) -> list[float
 def micro(calls: int = 20000, rounds: int = 5) -> list[dict[str, Any]]:
     """Microseconds per call of capture_step's per-call path with a replay that does
     nothing (CPU), and of a bare input copy and replay (``raw``)."""
-    from torchloom._capture_step import CapturedStep
-
     rows = []
     for name, params, fn, track, x in _micro_steps():
-        step = CapturedStep(fn, torchloom.resolve_options(env={}), track, device=_NoopDevice())
+        step = loom_step.capture_step(fn, track=track, capturer=_NoopCapturer())
         for _ in range(5):  # 3 warm-ups, the capture, one replay
             step(x)
         stats = step.stats()
         assert stats.replays == 2 and stats.refusal is None, stats.format()
-        slow = getattr(step, "_slow_calls", None)
+        slow = step.stats().slow_calls
         samples = _per_call_us(functools.partial(step, x), calls, rounds)
         timed = (calls // rounds) * rounds
         assert step.stats().replays == 2 + timed, step.stats().format()
-        assert getattr(step, "_slow_calls", None) == slow, "a timed call left the fast path"
+        assert step.stats().slow_calls == slow, "a timed call left the fast path"
         rows.append(_micro_row(name, params, samples))
     # The floor: the one-kernel step's static input copied in, a replay, the output returned.
     x = torch.randn(1024)

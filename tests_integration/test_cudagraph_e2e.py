@@ -131,11 +131,11 @@ def test_parameter_replaced_every_call_records_again_then_falls_back(
             keep.append(lin.weight)
             x = torch.randn(4, 8, device=CUDA)
             torch.testing.assert_close(compiled(x), lin(x).relu())
-    budget = [r.getMessage() for r in caplog.records if "rerecord_budget" in r.getMessage()]
+    budget = [r.getMessage() for r in caplog.records if "recording_budget" in r.getMessage()]
     assert len(budget) == 1
     assert "changed its data pointer from 0x" in budget[0]
     assert max(s.recordings for s in _stats()) == 3
-    assert loom_cudagraph.skip_counts() == {loom_cudagraph.SkipReason.RERECORD_BUDGET: 1}
+    assert loom_cudagraph.skip_counts() == {loom_cudagraph.SkipReason.RECORDING_BUDGET: 1}
 
 
 def test_outputs_kept_across_many_calls_stay_correct() -> None:

@@ -23,6 +23,7 @@ PACKAGES = {
     "hops": "loom_hops",
     "resize": "loom_resize",
     "cudagraph": "loom_cudagraph",
+    "step": "loom_step",
     "cache": "loom_cache",
     "torchloom": "torchloom",
 }

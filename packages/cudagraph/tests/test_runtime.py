@@ -130,10 +130,10 @@ def test_parameter_replaced_every_call_records_again_then_falls_back(
     assert cap.captures == 3
     (seg,) = run.stats().segments
     assert seg.recordings == 3
-    warnings = [r.getMessage() for r in caplog.records if "rerecord_budget" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "recording_budget" in r.getMessage()]
     assert len(warnings) == 1
     assert "static input w_1 changed its data pointer from 0x" in warnings[0]
-    assert skip_counts() == {SkipReason.RERECORD_BUDGET: 1}
+    assert skip_counts() == {SkipReason.RECORDING_BUDGET: 1}
 
 
 def test_parameters_alternating_between_two_addresses_dispatch_by_address() -> None:
@@ -292,7 +292,7 @@ def test_or_error_raises_at_runtime_for_an_exhausted_budget() -> None:
     call(run, torch.randn(3), torch.randn(3))  # warm-up
     w = torch.randn(3)
     call(run, torch.randn(3), w)  # records
-    with pytest.raises(CudagraphError, match=r"rerecord_budget.*w_1"):
+    with pytest.raises(CudagraphError, match=r"recording_budget.*w_1"):
         call(run, torch.randn(3), torch.randn(3))
 
 
@@ -488,7 +488,7 @@ def test_stable_input_that_moves_is_copied_from_then_on_without_spending_budget(
     assert cap.captures == 2 and cap.replays == 8
     copying = run._steps[0][0]._tables[None].recordings[1]  # type: ignore[attr-defined]
     assert copying.copy_idx == [0] and copying.stable_idx == []
-    assert not [r for r in caplog.records if "rerecord_budget" in r.getMessage()]
+    assert not [r for r in caplog.records if "recording_budget" in r.getMessage()]
 
 
 def test_suspended_segments_run_their_code_without_warm_up_or_recording() -> None:

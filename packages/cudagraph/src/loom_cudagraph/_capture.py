@@ -1,28 +1,33 @@
-"""How a segment is captured and replayed: on a CUDA device, or simulated on the host.
+"""The capture core: how work is captured and replayed, on a CUDA device or simulated on the host.
 
-A :class:`Capturer` turns ``fn(static_inputs)`` into a graph handle and its
-static outputs, replays the handle, and makes memory pools. The capture takes
-the input list over (``fn`` is boxed and frees what it no longer needs, so
-memory freed during the capture can be reused by it). A capturer may
-also offer ``replayer(graph)``, a zero-argument callable bound once per
-recording (the C++ ``replay`` of the graph on CUDA), which the per-call path calls
-instead of ``replay(graph)``.
-:class:`CudaCapturer` uses ``torch.cuda.CUDAGraph`` with private pools and a
-side stream; the default CUDA generator is registered by the graph itself, so
-each replay advances the Philox offset and draws fresh random numbers.
-:class:`HostCapturer` runs ``fn`` again on every replay and writes the results
-into the same output memory, which reproduces a replay's aliasing on CPU so
-the runtime's bookkeeping is testable without a GPU. Like a CUDA pool, the
-host graph owns its outputs' memory: the outputs it returns view that memory
-without owning it, so they die like a capture's outputs do while the memory
-stays.
+One :class:`Capturer` serves both users of loom's CUDA graphs: the per-graph
+segment runtime (:meth:`Capturer.capture`: ``fn(static_inputs)`` into a graph
+handle and its static outputs; the capture takes the input list over, so
+memory ``fn`` frees during the capture can be reused by it) and whole-step
+capture (``loom_step``: :meth:`Capturer.warm_up` runs the step eagerly as a
+capture will see it, :meth:`Capturer.capture_call` records a zero-argument
+call). Both replay through ``replayer(graph)``, a zero-argument callable bound
+once per recording (the C++ ``replay`` of the graph on CUDA), and make memory
+pools with :meth:`Capturer.new_pool_handle`.
+:class:`CudaCapturer` uses ``torch.cuda.CUDAGraph``; the default CUDA generator
+is registered by the graph itself, so each replay advances the Philox offset
+and draws fresh random numbers.
+:class:`HostCapturer` is the one host stand-in: a capture runs ``fn`` and undoes
+what the run changed (a CUDA capture runs nothing), a replay runs ``fn`` again
+and writes the results into the same output memory, which reproduces a
+replay's aliasing on CPU so the runtimes' bookkeeping is testable without a
+GPU. Like a CUDA pool, the host graph of a segment owns its outputs' memory:
+the outputs it returns view that memory without owning it, so they die like a
+capture's outputs do while the memory stays.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -35,10 +40,19 @@ from loom_cudagraph._torch_compat import (
 __all__ = ["Capturer", "CudaCapturer", "HostCapturer"]
 
 SegmentFn = Callable[[list[Any]], Sequence[Any]]
+CallFn = Callable[[], Sequence[Any]]
+T = TypeVar("T")
 
 
 class Capturer(Protocol):
-    """What the runtime needs from a capture backend."""
+    """What the runtimes need from a capture backend."""
+
+    #: the device type whose tensors a capture reads and writes
+    device_type: str
+
+    def available(self) -> bool:
+        """Whether captures can run here (a CUDA device is present)."""
+        ...
 
     def new_pool_handle(self) -> Any: ...
 
@@ -47,7 +61,24 @@ class Capturer(Protocol):
         the graph handle and its static outputs."""
         ...
 
+    def warm_up(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` eagerly as a capture of it will run (on the capture's side of the
+        device), with each host synchronization reported as a warning."""
+        ...
+
+    def capture_call(
+        self, fn: CallFn, pool: Any, keep: Sequence[torch.Tensor] = ()
+    ) -> tuple[Any, list[Any]]:
+        """Record ``fn()`` (a whole step) into ``pool``; return the graph handle and the
+        values ``fn`` returned. ``keep``: tensors whose values the capture must leave
+        as they were (a CUDA capture runs nothing; the host stand-in undoes its run)."""
+        ...
+
     def replay(self, graph: Any) -> None: ...
+
+    def replayer(self, graph: Any) -> Callable[[], object]:
+        """``graph``'s replay as a zero-argument callable, bound once per recording."""
+        ...
 
     def pool_bytes(self, before: int) -> int:
         """Bytes the allocator reserved since ``before`` (a :meth:`reserved` reading)."""
@@ -56,15 +87,38 @@ class Capturer(Protocol):
     def reserved(self) -> int: ...
 
 
+@contextlib.contextmanager
+def _restoring_stream() -> Iterator[None]:
+    """Put the current stream back if a capture fails.
+
+    NOTE: ``torch.cuda.graph``'s ``__exit__`` leaves its capture stream current
+    when ``capture_end`` raises.
+    """
+    stream = torch.cuda.current_stream()
+    try:
+        yield
+    except BaseException:
+        torch.cuda.set_stream(stream)
+        raise
+
+
 class CudaCapturer:
-    """Capture with ``torch.cuda.graph`` on one device, on a side stream."""
+    """Capture with ``torch.cuda.graph`` on one device: a segment on a side stream
+    shared by every capturer of the device, a whole step on the current stream."""
+
+    device_type = "cuda"
 
     # NOTE: one capture stream per device for every capturer, so graphs that
     # share a pool allocate on one stream and can reuse each other's freed blocks.
     _streams: dict[int, torch.cuda.Stream] = {}
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = torch.device("cuda") if device is None else device
+        #: the side stream of whole-step warm-ups (made on first use)
+        self._warm_stream: torch.cuda.Stream | None = None
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
 
     def new_pool_handle(self) -> Any:
         with torch.cuda.device(self.device):
@@ -82,13 +136,40 @@ class CudaCapturer:
             # freed there instead of staying allocated (it is scratch memory).
             clear_cublas_workspaces()
             try:
-                with torch.cuda.graph(
-                    graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+                with (
+                    _restoring_stream(),
+                    torch.cuda.graph(
+                        graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+                    ),
                 ):
                     outputs = list(fn(inputs))
             finally:
                 clear_cublas_workspaces()
         return graph, outputs
+
+    def warm_up(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on a side stream under CUDA's sync debug mode set to warn."""
+        if self._warm_stream is None:
+            self._warm_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side = self._warm_stream
+        side.wait_stream(torch.cuda.current_stream())
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torch.cuda.stream(side):
+                out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    def capture_call(
+        self, fn: CallFn, pool: Any, keep: Sequence[torch.Tensor] = ()
+    ) -> tuple[Any, list[Any]]:
+        graph = torch.cuda.CUDAGraph()
+        with _restoring_stream(), torch.cuda.graph(graph, pool=pool):
+            out = list(fn())
+        return graph, out
 
     def replay(self, graph: Any) -> None:
         graph.replay()
@@ -109,6 +190,8 @@ class CudaCapturer:
 
 
 class _HostGraph:
+    """A segment's host graph: ``fn(inputs)`` again, written into the outputs' memory."""
+
     def __init__(
         self, fn: SegmentFn, inputs: list[Any], memory: list[Any], owners: list[_HostGraph]
     ) -> None:
@@ -122,10 +205,29 @@ class _HostGraph:
 
     def replay(self) -> None:
         self.replays += 1
-        fresh = self.fn(list(self.inputs))
-        for static, new in zip(self.memory, fresh, strict=True):
-            if isinstance(static, torch.Tensor) and static is not new:
-                with torch.no_grad():
+        _write_into(self.memory, self.fn(list(self.inputs)))
+
+
+class _HostCall:
+    """A whole step's host graph: ``fn()`` again, written into the captured values."""
+
+    def __init__(self, fn: CallFn, memory: list[Any]) -> None:
+        self.fn = fn
+        self.memory = memory
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        _write_into(self.memory, self.fn())
+
+
+def _write_into(memory: Sequence[Any], fresh: Sequence[Any]) -> None:
+    """Each tensor of ``fresh`` copied into its captured twin in ``memory``, as a
+    replay writes the memory the capture allocated."""
+    with torch.no_grad():
+        for static, new in zip(memory, fresh, strict=True):
+            if isinstance(static, torch.Tensor) and isinstance(new, torch.Tensor):
+                if static is not new:
                     static.copy_(new)
 
 
@@ -133,9 +235,22 @@ def _strided(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and v.layout == torch.strided
 
 
+@contextlib.contextmanager
+def _undone(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The block's writes to ``tensors`` undone when it ends (a CUDA capture executes
+    nothing: only replays change state, as on the device)."""
+    saved = [t.clone() for t in tensors]
+    yield
+    with torch.no_grad():
+        for t, s in zip(tensors, saved, strict=True):
+            t.copy_(s)
+
+
 class HostCapturer:
     """A stand-in for CUDA graphs on the host: replay re-runs the function and
     overwrites the recorded outputs' memory in place, as a real replay would."""
+
+    device_type = "cpu"
 
     def __init__(self) -> None:
         self.captures = 0
@@ -143,12 +258,13 @@ class HostCapturer:
         #: memory address -> the graph that owns it
         self._owners: weakref.WeakValueDictionary[int, _HostGraph] = weakref.WeakValueDictionary()
 
+    def available(self) -> bool:
+        return True
+
     def new_pool_handle(self) -> Any:
         return object()
 
     def capture(self, fn: SegmentFn, inputs: list[Any], pool: Any) -> tuple[Any, list[Any]]:
-        # NOTE: a CUDA capture executes nothing; undo the run's input mutations
-        # so that only replays change state, as on the device.
         self.captures += 1
         owners: list[_HostGraph] = []
         kept: list[Any] = []
@@ -162,12 +278,9 @@ class HostCapturer:
                 kept.append(v)
         del v  # NOTE: the list is the capture's: hold no input past its last use
         tensors = [t for t in kept if isinstance(t, torch.Tensor)]
-        saved = [t.clone() for t in tensors]
         input_memory = {t.untyped_storage().data_ptr() for t in tensors if _strided(t)}
-        outputs = list(fn(inputs))
-        with torch.no_grad():
-            for t, s in zip(tensors, saved, strict=True):
-                t.copy_(s)
+        with _undone(tensors):
+            outputs = list(fn(inputs))
         graph = _HostGraph(fn, kept, outputs, owners)
         handed: list[Any] = []
         for o in outputs:
@@ -179,9 +292,23 @@ class HostCapturer:
             handed.append(o)
         return graph, handed
 
+    def warm_up(self, fn: Callable[[], T]) -> T:
+        return fn()
+
+    def capture_call(
+        self, fn: CallFn, pool: Any, keep: Sequence[torch.Tensor] = ()
+    ) -> tuple[Any, list[Any]]:
+        self.captures += 1
+        with _undone(keep):
+            out = list(fn())
+        return _HostCall(fn, out), out
+
     def replay(self, graph: Any) -> None:
         self.replays += 1
         graph.replay()
+
+    def replayer(self, graph: Any) -> Callable[[], object]:
+        return functools.partial(self.replay, graph)
 
     def reserved(self) -> int:
         return 0

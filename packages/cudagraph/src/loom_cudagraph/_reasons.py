@@ -46,9 +46,11 @@ class SkipReason(enum.Enum):
     TOO_SMALL = "too_small"
     #: The segment met more distinct input shapes than ``max_shapes`` allows.
     DYNAMIC_SHAPE_BUDGET = "dynamic_shape_budget"
-    #: A static input's address changed more often than ``max_recording`` allows.
-    RERECORD_BUDGET = "rerecord_budget"
-    #: ``torch.cuda.graph`` capture itself raised; the segment runs uncaptured.
+    #: The recording budget is spent: a segment's static input changed address (or its
+    #: outputs stayed held) more often than ``max_recording`` allows, or a captured step
+    #: met more guard sets than its ``max_recordings``.
+    RECORDING_BUDGET = "recording_budget"
+    #: ``torch.cuda.graph`` capture itself raised; the segment (or step) runs uncaptured.
     CAPTURE_FAILED = "capture_failed"
     #: A caller switched CUDA graphs off for this graph (for example no CUDA device).
     DISABLED = "disabled"

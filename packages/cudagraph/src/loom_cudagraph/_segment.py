@@ -309,10 +309,6 @@ class CapturedSegment:
         self._off: Unsupported | None = None
         self._shapes_warned = False
         self._hot: _Recording | None = None
-        replayer = getattr(capturer, "replayer", None)
-        self._replayer: Callable[[Any], Callable[[], object]] = (
-            replayer if replayer is not None else lambda g: functools.partial(capturer.replay, g)
-        )
         self.replays = 0
         self.uncaptured_calls = 0
         self.pool_bytes = 0
@@ -451,9 +447,43 @@ class CapturedSegment:
         (the tensors the capture allocated), or ``None`` to run the call uncaptured
         (budget spent; ``inputs`` untouched). The capture takes ``inputs`` over, so
         what the segment's code frees early (a backward's saved activations) is
-        freed during the capture and its memory can be reused by it."""
-        opts = self.spec.options
-        limit = max(1, opts.max_recording)
+        freed during the capture and its memory can be reused by it.
+
+        Phases: admit (budget), place each input (in place or copied), pick a pool,
+        prepare the recording's buffers, capture, install, first replay."""
+        admitted = self._admit(table, inputs, alternate)
+        if admitted is None:
+            return None
+        alternate = admitted
+        prune_adopted()
+        inplace_idx, stable_idx, copy_idx = self._place_inputs(table, inputs)
+        # where the in-place inputs' memory is: the positions that view an earlier
+        # output a capture may reuse (see ``MemoryPool.reuse_free``)
+        views: dict[int, list[int]] = {}
+        for i in inplace_idx:
+            if inputs[i].layout == torch.strided:
+                views.setdefault(_memory(inputs[i]), []).append(i)
+        rec = _Recording(table, self._pool_for(table, inputs, views, alternate))
+        rec.inplace_idx, rec.stable_idx, rec.copy_idx = inplace_idx, stable_idx, copy_idx
+        self._prepare(rec, inputs)
+        in_place = {storage_id(inputs[i]) for i in inplace_idx}
+        copy_targets = [inputs[i] for i in rec.copyback_idx]
+        originals = self._capture_into(rec, inputs)
+        if rec.graph is None:  # the capture failed: the call ran uncaptured
+            return originals
+        self._install(rec, originals, in_place, views, alternate)
+        rec.replay()
+        if copy_targets:
+            foreach_copy_(copy_targets, rec.copyback_bufs)
+        self.replays += 1
+        for p in rec.clone_idx:
+            originals[p] = originals[p].clone()
+        return originals
+
+    def _admit(self, table: _Table, inputs: list[Any], alternate: bool) -> bool | None:
+        """Whether this recording is an alternate one (spends no budget), or ``None``
+        when the budget is spent (warned once)."""
+        limit = max(1, self.spec.options.max_recording)
         if not table.unstable and _stable_input_moved(table, inputs):
             # NOTE: not a static input's new address: no budget is spent, and
             # this shape copies such inputs from now on.
@@ -465,7 +495,13 @@ class CapturedSegment:
                 table.exhausted = True
                 self._warn_budget(table, inputs)
             return None
-        prune_adopted()
+        return alternate
+
+    def _place_inputs(
+        self, table: _Table, inputs: list[Any]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """The positions read in place, those of them read in place only for their stable
+        address, and those copied into static buffers."""
         static = self.spec.static_positions
         # NOTE: "kept its address since the warm-up" is evidence for the first
         # recording of a shape; a later one reads such an input in place only
@@ -498,13 +534,13 @@ class CapturedSegment:
                 stable_idx.append(i)
             else:
                 copy_idx.append(i)
-        del v  # NOTE: a loop variable would keep the last input alive through the capture
-        # where the in-place inputs' memory is: the positions that view an earlier
-        # output a capture may reuse (see ``MemoryPool.reuse_free``)
-        views: dict[int, list[int]] = {}
-        for i in inplace_idx:
-            if inputs[i].layout == torch.strided:
-                views.setdefault(_memory(inputs[i]), []).append(i)
+        return inplace_idx, stable_idx, copy_idx
+
+    def _pool_for(
+        self, table: _Table, inputs: list[Any], views: dict[int, list[int]], alternate: bool
+    ) -> MemoryPool:
+        """The shared pool for a shape's first recording when no output whose memory
+        went back to it is held, else a pool of the recording's own."""
         first = (
             table.made == 0
             and not alternate
@@ -521,12 +557,14 @@ class CapturedSegment:
                 pool.describe_reuse(pool.reusable(views), inputs),
             )
             pool = None
-        if pool is None:
-            pool = MemoryPool(self.capturer.new_pool_handle())
-        rec = _Recording(table, pool)
-        rec.inplace_idx, rec.stable_idx, rec.copy_idx = inplace_idx, stable_idx, copy_idx
+        return pool if pool is not None else MemoryPool(self.capturer.new_pool_handle())
+
+    def _prepare(self, rec: _Recording, inputs: list[Any]) -> None:
+        """The recording's addresses of in-place inputs, static buffers (filled now),
+        copy-back buffers of mutated inputs, and its per-call copy callables."""
+        copy_idx = rec.copy_idx
         rec.ptrs = [None] * len(inputs)
-        for i in inplace_idx:
+        for i in rec.inplace_idx:
             rec.ptrs[i] = inputs[i].data_ptr()
         rec.bufs = [
             torch.empty_strided(
@@ -541,8 +579,12 @@ class CapturedSegment:
         rec.copyback_bufs = [b for i, b in zip(copy_idx, rec.bufs, strict=True) if i in mutated]
         rec.copy_in = _copy_into(rec.bufs, copy_idx)
         rec.copy_back = _copy_back(rec.copyback_bufs, rec.copyback_idx)
-        in_place = {storage_id(inputs[i]) for i in inplace_idx}
-        copy_targets = [inputs[i] for i in rec.copyback_idx]
+
+    def _capture_into(self, rec: _Recording, inputs: list[Any]) -> list[Any]:
+        """Capture the segment into ``rec`` (``inputs`` is cleared: the capture takes
+        it over) and return the capture's outputs; if the capture fails, the segment
+        is off for good (``rec.graph`` stays ``None``) and this call's outputs come
+        from running it uncaptured."""
         # NOTE: if the capture fails, the call runs uncaptured on these: the
         # memory of outputs it freed meanwhile is in the private pool, which
         # nothing but a capture into that pool allocates from, so it is intact.
@@ -553,13 +595,14 @@ class CapturedSegment:
             for v in inputs
         ]
         cap_inputs = list(inputs)
-        for i, buf in zip(copy_idx, rec.bufs, strict=True):
+        for i, buf in zip(rec.copy_idx, rec.bufs, strict=True):
             cap_inputs[i] = buf
         inputs.clear()
         before = self.capturer.reserved()
         try:
-            rec.graph, originals = self.capturer.capture(self.fn, cap_inputs, pool.handle)
+            rec.graph, originals = self.capturer.capture(self.fn, cap_inputs, rec.pool.handle)
         except Exception as exc:
+            rec.graph = None
             self._hot = None
             self._off = self._skip(
                 SkipReason.CAPTURE_FAILED,
@@ -569,8 +612,21 @@ class CapturedSegment:
             self.uncaptured_calls += 1
             return list(self.fn(fallback))
         del cap_inputs, fallback
-        rec.replay = self._replayer(rec.graph)
         self.pool_bytes += self.capturer.pool_bytes(before)
+        return originals
+
+    def _install(
+        self,
+        rec: _Recording,
+        originals: list[Any],
+        in_place: set[int],
+        views: dict[int, list[int]],
+        alternate: bool,
+    ) -> None:
+        """Make a captured recording the one its shape replays: its replay callable,
+        output twins and watches, its pool's reuse bookkeeping, the counts."""
+        table, pool = rec.table, rec.pool
+        rec.replay = self.capturer.replayer(rec.graph)
         table.made += 0 if alternate else 1
         table.buffers += 1
         self._finish(rec, originals, in_place)
@@ -591,13 +647,6 @@ class CapturedSegment:
         )
         if self.listener is not None:
             self.listener(self.stats(), "recorded")
-        rec.replay()
-        if copy_targets:
-            foreach_copy_(copy_targets, rec.copyback_bufs)
-        self.replays += 1
-        for p in rec.clone_idx:
-            originals[p] = originals[p].clone()
-        return originals
 
     def _finish(self, rec: _Recording, originals: list[Any], in_place: set[int]) -> None:
         """Keep the capture's outputs as non-owning twins (the call hands out the
@@ -679,7 +728,7 @@ class CapturedSegment:
             )
             where = ""
         self._skip(
-            SkipReason.RERECORD_BUDGET,
+            SkipReason.RECORDING_BUDGET,
             explanation,
             "update parameters in place (p.copy_(new)) instead of assigning new tensors, "
             "or raise cudagraph_max_recording",

@@ -25,9 +25,18 @@ from typing import TYPE_CHECKING, Any
 # loaded (and torchloom._backend, the entry point, imports it too).
 if TYPE_CHECKING:
     from loom_hops import grad_hook
+    from loom_step import (
+        CapturedStep,
+        CaptureStepError,
+        StepOptions,
+        StepRefusal,
+        StepState,
+        StepStats,
+        StepUnsupported,
+    )
     from torchloom._api import reset
     from torchloom._backend import loom_backend
-    from torchloom._capture_step import CapturedStep, StepStats, capture_step
+    from torchloom._capture_step import capture_step
     from torchloom._cudagraph import cudagraph_stats
     from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
     from torchloom._options import MODES, LoomOptions, LoomOptionsError, resolve_options
@@ -40,14 +49,25 @@ if TYPE_CHECKING:
         StageRecord,
         report,
     )
-    from torchloom._step_refusals import CaptureStepError, StepRefusal, StepUnsupported
     from torchloom._values import GraphKind
 
 _LAZY = {
     "grad_hook": "loom_hops",
     "reset": "torchloom._api",
     "loom_backend": "torchloom._backend",
-    **dict.fromkeys(("CapturedStep", "StepStats", "capture_step"), "torchloom._capture_step"),
+    **dict.fromkeys(
+        (
+            "CapturedStep",
+            "CaptureStepError",
+            "StepOptions",
+            "StepRefusal",
+            "StepState",
+            "StepStats",
+            "StepUnsupported",
+        ),
+        "loom_step",
+    ),
+    "capture_step": "torchloom._capture_step",
     "cudagraph_stats": "torchloom._cudagraph",
     **dict.fromkeys(("LoomRefusal", "RefusalKind", "Unsupported"), "torchloom._errors"),
     **dict.fromkeys(
@@ -57,9 +77,6 @@ _LAZY = {
     **dict.fromkeys(
         ("GraphRecord", "InputMeta", "Report", "ReportEntry", "StageRecord", "report"),
         "torchloom._report",
-    ),
-    **dict.fromkeys(
-        ("CaptureStepError", "StepRefusal", "StepUnsupported"), "torchloom._step_refusals"
     ),
     "GraphKind": "torchloom._values",
 }
@@ -104,7 +121,9 @@ __all__ = [
     "Report",
     "ReportEntry",
     "StageRecord",
+    "StepOptions",
     "StepRefusal",
+    "StepState",
     "StepStats",
     "StepUnsupported",
     "Unsupported",

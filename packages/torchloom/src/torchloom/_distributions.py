@@ -15,6 +15,7 @@ LOOM_DISTRIBUTIONS: Final = (
     "torchloom-tracer",
     "torchloom-resize",
     "torchloom-cudagraph",
+    "torchloom-step",
     "torchloom-sidefx",
     "torchloom-cells",
 )

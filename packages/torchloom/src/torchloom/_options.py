@@ -64,11 +64,6 @@ class LoomOptions:
     #: Reuse compiled graphs across processes through loom's cache (local store,
     #: plus Redis when ``TORCHLOOM_REMOTE_CACHE`` is set). ``TORCHLOOM_CACHE=0`` turns it off.
     cache: bool = True
-    #: ``torchloom.capture_step``: eager calls of the step (on a side stream) before capture.
-    capture_step_warmup: int = 3
-    #: ``torchloom.capture_step``: whole-step recordings (one per guard set) before the step
-    #: runs uncaptured with one logged reason.
-    capture_step_max_recordings: int = 4
 
     def changed(self, **updates: Any) -> LoomOptions:
         """A copy with ``updates`` applied and validated."""

@@ -11,10 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-import torchloom
-from torchloom import _torch_compat as compat
-from torchloom._capture_step import CapturedStep
-from torchloom._step_guard import NEVER, FastCheck, StepProbe, find_targets, tree_flatten
+import loom_cudagraph
+from loom_step import CapturedStep
+from loom_step import _torch_compat as compat
+from loom_step._fast import NEVER, FastCheck
+from loom_step._guard import StepProbe
+from loom_step._targets import find_targets
+from loom_step._torch_compat import tree_flatten
 
 
 class _Net(nn.Module):
@@ -231,16 +234,16 @@ def test_nothing_tracked_checks_arguments_and_modes_only() -> None:
 
 def test_compat_checks_agree_with_their_meaning() -> None:
     x = torch.randn(2, 3)
-    check = compat.step_tensors_check([x])
+    check = compat.tensors_check([x])
     if check is not None:  # Dynamo's TensorGuards (torch 2.11); else a Python check is used
         assert check(torch.zeros(2, 3)) and not check(torch.zeros(3, 2))
         assert not check(torch.zeros(2, 3, dtype=torch.float64))
         assert not check(torch.zeros(2, 3, requires_grad=True))
-    state = compat.step_global_state(torch.is_grad_enabled)
+    state = compat.global_state_check(torch.is_grad_enabled)
     assert state()
     with torch.no_grad():
         assert not state()
-    count = compat.step_storage_counter(x)
+    count = compat.storage_counter(x)
     base = count()
     alias = x.detach()
     assert count() == base + 1
@@ -251,17 +254,11 @@ def test_compat_checks_agree_with_their_meaning() -> None:
 # --- end to end, on the host stand-in of a CUDA graph -----------------------------------------
 
 
-class _NoopDevice:
-    type = "cpu"
+class _Noop(loom_cudagraph.HostCapturer):
+    """A capture that runs the step once; a replay that does nothing."""
 
-    def available(self) -> bool:
-        return True
-
-    def warm_up(self, fn: Callable[[], Any], syncs: list[Any]) -> Any:
-        return fn()
-
-    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
-        return None, fn()
+    def capture_call(self, fn: Any, pool: Any, keep: Any = ()) -> tuple[Any, list[Any]]:
+        return None, list(fn())
 
     def replayer(self, graph: Any) -> Callable[[], object]:
         return lambda: None
@@ -269,33 +266,33 @@ class _NoopDevice:
 
 def test_replays_take_the_fast_path_until_something_changes() -> None:
     s = _Setup()
-    step = CapturedStep(s.fn, torchloom.resolve_options(env={}), device=_NoopDevice())
+    step = CapturedStep(s.fn, capturer=_Noop())
     for _ in range(4):  # 3 warm-ups and the capture
         step(s.x, s.y)
-    slow = step._slow_calls
+    slow = step.counts.slow_calls
     for _ in range(5):
         step(s.x, s.y)
-    assert step._slow_calls == slow and step.stats().replays == 6
+    assert step.counts.slow_calls == slow and step.stats().replays == 6
     s.opt.param_groups[0]["momentum"] = 0.5
     step(s.x, s.y)  # the full guard: a new guard set (one eager call)
-    assert step._slow_calls == slow + 1 and step.stats().replays == 6
+    assert step.counts.slow_calls == slow + 1 and step.stats().replays == 6
     step(s.x, s.y)  # its capture
     assert step.stats().recordings == 2
     step(s.x, s.y)
-    assert step._slow_calls == slow + 2 and step.stats().replays == 8
+    assert step.counts.slow_calls == slow + 2 and step.stats().replays == 8
 
 
 def test_replays_after_a_full_check_refresh_the_fast_check() -> None:
     s = _Setup()
-    step = CapturedStep(s.fn, torchloom.resolve_options(env={}), device=_NoopDevice())
+    step = CapturedStep(s.fn, capturer=_Noop())
     for _ in range(5):
         step(s.x, s.y)
     x = s.x.t().contiguous().t()  # other strides: the fast check may miss, the guard holds
     step(x, s.y)
-    slow = step._slow_calls
+    slow = step.counts.slow_calls
     step(x, s.y)
     step(x, s.y)
-    assert step._slow_calls == slow and step.stats().recordings == 1
+    assert step.counts.slow_calls == slow and step.stats().recordings == 1
 
 
 def test_requires_grad_is_guarded_for_what_autograd_records_only() -> None:
@@ -309,18 +306,18 @@ def test_requires_grad_is_guarded_for_what_autograd_records_only() -> None:
 
 def test_keyword_arguments_take_the_fast_path_in_the_same_order() -> None:
     s = _Setup()
-    step = CapturedStep(s.fn, torchloom.resolve_options(env={}), device=_NoopDevice())
+    step = CapturedStep(s.fn, capturer=_Noop())
     for _ in range(5):
         step(x=s.x, y=s.y)
-    slow = step._slow_calls
+    slow = step.counts.slow_calls
     step(x=s.x.clone(), y=s.y.clone())
     step(s.x, y=s.y.clone())  # the same leaves, another structure: the full guard
-    assert step._slow_calls == slow + 1
-    slow = step._slow_calls
+    assert step.counts.slow_calls == slow + 1
+    slow = step.counts.slow_calls
     step(y=s.y, x=s.x)  # another key order is another structure
-    assert step._slow_calls == slow + 1
+    assert step.counts.slow_calls == slow + 1
     step(x=s.x[:8], y=s.y[:8])
-    assert step._slow_calls == slow + 2
+    assert step.counts.slow_calls == slow + 2
     assert step.stats().refusal is None
 
 
@@ -330,7 +327,7 @@ def test_arguments_in_containers_go_through_the_full_guard_and_still_replay() ->
     def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return s.fn(*batch)
 
-    step = CapturedStep(fn, torchloom.resolve_options(env={}), device=_NoopDevice())
+    step = CapturedStep(fn, capturer=_Noop())
     for _ in range(6):
         step((s.x, s.y))
     assert step.stats().replays == 3 and step.stats().recordings == 1
@@ -341,7 +338,7 @@ def test_without_dynamos_cpp_checks_the_python_ones_catch_the_same(
 ) -> None:
     monkeypatch.setattr(compat, "_TENSOR_GUARDS", None)
     monkeypatch.setattr(compat, "_GLOBAL_STATE_GUARD", None)
-    assert compat.step_tensors_check([torch.ones(1)]) is None
+    assert compat.tensors_check([torch.ones(1)]) is None
     s = _Setup()
     check = s.check()
     assert check.matches((s.x.clone(), s.y.clone()))
@@ -367,13 +364,13 @@ def test_micro_steps_of_an_accumulation_switch_recordings_without_the_full_guard
         loss.backward()
         return loss
 
-    step = CapturedStep(micro_step, torchloom.resolve_options(env={}), device=_NoopDevice())
+    step = CapturedStep(micro_step, capturer=_Noop())
     slow_after: list[int] = []
     for _ in range(6):
         step(s.x, s.y)  # gradients None: the first micro-step's recording
         step(s.x, s.y)  # gradients exist: the accumulating recording
         s.opt.zero_grad()
-        slow_after.append(step._slow_calls)
+        slow_after.append(step.counts.slow_calls)
     stats = step.stats()
     assert stats.recordings == 3 and stats.refusal is None, stats.format()  # as on CUDA
     # Once both recordings exist, every call finds its recording through a per-call check.

@@ -1,9 +1,11 @@
 """Why a training step is not captured as one CUDA graph, as typed data.
 
 Refusals are decided at warm-up (before any capture), except a capture that
-itself fails and a spent recording budget. Each names the op or object, the
-user's ``file:line`` and what to do instead; :class:`CaptureStepError` raises
-one under ``cudagraph_or_error``.
+itself fails and a spent recording budget: those two are the capture core's own
+kinds (``loom_cudagraph.SkipReason.CAPTURE_FAILED`` and ``RECORDING_BUDGET``),
+shared with the per-graph runtime. Each names the op or object, the user's
+``file:line`` and what to do instead; :class:`CaptureStepError` raises one
+under ``or_error``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import importlib.util
 import inspect
 import linecache
 import os
@@ -24,8 +27,9 @@ from typing import Any, TextIO
 
 import torch
 
+from loom_cudagraph import SkipReason
 from loom_sidefx import Refusal, RefusalError
-from torchloom._step_guard import StepTargets
+from loom_step._targets import StepTargets
 
 __all__ = [
     "CaptureStepError",
@@ -42,7 +46,8 @@ __all__ = [
 
 
 class StepRefusal(enum.Enum):
-    """Why a step runs uncaptured (every member is listed in docs/capture_step.md)."""
+    """Why a step runs uncaptured (every member is listed in docs/capture_step.md,
+    beside the capture core's two kinds a step shares)."""
 
     #: No CUDA device, or the step's tensors are not on one: nothing to capture.
     NO_CUDA = "no_cuda"
@@ -60,14 +65,15 @@ class StepRefusal(enum.Enum):
     HOST_OUTPUT = "host_output"
     #: The step changes Python state a replay would not (a float lr, a rebound tensor).
     PYTHON_STATE = "python_state"
-    #: ``torch.cuda.graph`` capture raised.
-    CAPTURE_FAILED = "capture_failed"
-    #: More guard sets than ``capture_step_max_recordings`` allows.
-    RECORDING_BUDGET = "recording_budget"
+
+
+#: A step refusal's kind: the step's own, or the capture core's for a failed capture
+#: (``SkipReason.CAPTURE_FAILED``) and a spent budget (``SkipReason.RECORDING_BUDGET``).
+StepKind = StepRefusal | SkipReason
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StepUnsupported(Refusal[StepRefusal]):
+class StepUnsupported(Refusal[StepKind]):
     """What was refused, where (the user's ``file:line``), why, what to do instead
     (a ``loom_sidefx.Refusal``, formatted as every refusal is); ``op`` names the
     operation or its source line and leads the explanation."""
@@ -86,7 +92,7 @@ class StepUnsupported(Refusal[StepRefusal]):
 
 
 class CaptureStepError(RefusalError, RuntimeError):
-    """Raised under ``cudagraph_or_error`` when a step would run uncaptured."""
+    """Raised under ``or_error`` (loom's ``cudagraph_or_error``) when a step would run uncaptured."""
 
     reason: StepUnsupported
 
@@ -102,14 +108,19 @@ class CaptureStepError(RefusalError, RuntimeError):
 # --- where: the user's source line ----------------------------------------------------------
 
 
+#: Packages whose frames are never the user's (looked up, not imported: the umbrella
+#: calls in here, not the other way round).
+_LIBRARIES = ("torch", "torchloom", "loom_cudagraph", "loom_step")
+
+
 @functools.cache
 def _library_dirs() -> tuple[str, ...]:
-    import loom_cudagraph
-
-    # This module's own folder is torchloom's (importing ``torchloom`` here would be a cycle).
-    dirs = [Path(torch.__file__).resolve().parent, Path(__file__).resolve().parent]
-    dirs += [Path(m.__file__).resolve().parent for m in (loom_cudagraph,) if m.__file__]
-    return tuple(str(d) + os.sep for d in dirs)
+    dirs = []
+    for name in _LIBRARIES:
+        spec = importlib.util.find_spec(name)
+        for d in (spec.submodule_search_locations or []) if spec is not None else []:
+            dirs.append(str(Path(d).resolve()) + os.sep)
+    return tuple(dirs)
 
 
 #: Compile machinery: a synchronization from inside it is compile work (autotuning), not the step's.
