@@ -217,9 +217,6 @@ class SideEffects:
             raise TypeError(f"{ref} is new: it has no live object while tracing")
         return entry.obj
 
-    def class_of(self, ref: Ref) -> type:
-        return self._entry(ref).cls
-
     @property
     def num_ops(self) -> int:
         """How many mutations of pre-existing state the log holds so far."""
