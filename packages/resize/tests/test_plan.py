@@ -115,6 +115,16 @@ def test_resize_of_intermediate_is_refused() -> None:
     assert f"node {y.name!r}" in err.reason.where and "graph inputs" in str(err)
 
 
+def test_a_refusal_names_the_users_line_as_every_package_does() -> None:
+    b = GraphBuilder()
+    x = b.input("x", torch.randn(4, 4))
+    y = b.call(aten.mul.Tensor, x, 2)
+    resize = b.resize(y, 0)
+    resize.meta["stack_trace"] = '  File "/user/train.py", line 9, in step\n    y.resize_(0)\n'
+    err = _refusal(b.build(x))
+    assert err.reason.where == f"node {y.name!r} at /user/train.py:9 in step"
+
+
 def test_differentiable_fill_is_refused() -> None:
     b = GraphBuilder()
     p = b.input("p", empty_param(4, 4), dynamo=True)

@@ -9,7 +9,6 @@ Tensors on the ``meta`` device do no work and never block capture.
 from __future__ import annotations
 
 import operator
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch.fx
 from loom_cudagraph._reasons import SkipReason, Unsupported
 from loom_cudagraph._registry import lookup_rule, op_name
 from loom_cudagraph._torch_compat import OpOverload, free_unbacked_symbols
+from loom_sidefx import user_frame
 
 __all__ = ["classify_node", "first_use_source", "node_devices", "source_location", "touches_device"]
 
@@ -33,20 +33,14 @@ _COPY_OPS = frozenset(
         "aten._foreach_copy_.default",
     }
 )
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
 
 
 def source_location(node: torch.fx.Node) -> str:
-    """The user's source line a node came from, ``file:line in fn: code``, else ``node <name>``."""
+    """The user's source line a node came from (``file:line in fn``, as
+    :func:`loom_sidefx.user_frame` reads it), else ``node <name>``."""
     trace = node.meta.get("stack_trace")
-    if isinstance(trace, str) and trace:
-        frames = list(_FRAME.finditer(trace))
-        if frames:
-            last = frames[-1]
-            code = trace[last.end() :].strip().splitlines()
-            text = f"{last['file']}:{last['line']} in {last['fn']}"
-            return f"{text}: {code[0].strip()}" if code else text
-    return f"node {node.name}"
+    frame = user_frame(trace) if isinstance(trace, str) else None
+    return f"node {node.name}" if frame is None else str(frame)
 
 
 def first_use_source(node: torch.fx.Node) -> str:

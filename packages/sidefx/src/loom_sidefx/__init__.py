@@ -1,4 +1,4 @@
-"""Symbolic values with a mutation type, the side-effect log of a traced hook, pruning of dead new objects, and the replay plan that applies recorded side effects, in program order, after a compiled graph runs. Pure Python: it never imports torch."""
+"""Symbolic values with a mutation type, the side-effect log of a traced hook, pruning of dead new objects, and the replay plan that applies recorded side effects, in program order, after a compiled graph runs; the refusal base every loom package shares, and the one reader of the user's source line a refusal points at (`user_frame`). Pure Python: it never imports torch."""
 
 from ._builder import Checkpoint, SideEffects
 from ._guards import (
@@ -24,6 +24,7 @@ from ._sources import (
     Roots,
     Source,
 )
+from ._user_frame import UserFrame, user_frame
 from ._values import (
     COMPUTE_OPS,
     Computed,
@@ -80,6 +81,7 @@ __all__ = [
     "Staged",
     "TensorSlot",
     "Unsupported",
+    "UserFrame",
     "Value",
     "__version__",
     "checks_enabled",
@@ -88,4 +90,5 @@ __all__ = [
     "constant_guard",
     "is_constant",
     "register_constant_type",
+    "user_frame",
 ]

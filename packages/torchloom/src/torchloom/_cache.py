@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import pickle
-import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
@@ -31,6 +30,7 @@ import torch
 from torch.fx import GraphModule
 
 import loom_cache
+from loom_sidefx import user_frame
 from torchloom import _torch_compat as compat
 from torchloom._aot_cache import AotCacheSlot, route_lazy_backward_save
 from torchloom._distributions import LOOM_DISTRIBUTIONS
@@ -65,7 +65,6 @@ _LOOM_MODULES: Final = (
     "loom_sidefx",
     "loom_cells",
 )
-_FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
 
 _store_lock = threading.Lock()
 _stores: dict[loom_cache.CacheConfig, loom_cache.TieredStore] = {}
@@ -136,10 +135,9 @@ def loom_source_hash(modules: tuple[str, ...] = _LOOM_MODULES) -> str:
 def _program(gm: GraphModule) -> str:
     """``file:function`` of the user code the graph came from (explanations only)."""
     for node in gm.graph.nodes:
-        match = _FRAME.findall(node.meta.get("stack_trace") or "")
-        if match:
-            path, fn = match[-1]
-            return f"{os.path.basename(path)}:{fn}"
+        frame = user_frame(node.meta.get("stack_trace"))
+        if frame is not None:
+            return f"{os.path.basename(frame.file)}:{frame.function}"
     return "graph"
 
 

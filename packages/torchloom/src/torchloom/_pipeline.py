@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ import loom_cache
 import loom_cudagraph
 import loom_hops
 import loom_resize
+from loom_sidefx import user_frame
 from torchloom import _torch_compat as compat
 from torchloom._aot_cache import AotCacheSlot, CacheNotServed, aot_cache_slot
 from torchloom._cache import (
@@ -626,13 +626,9 @@ def _eager_fallback(
 
 
 def _user_frame(gm: GraphModule) -> str:
-    """file:line of the user source line the graph's first node came from, if known."""
+    """``file:line in fn`` of the user source line the graph's first node came from, if known."""
     for node in gm.graph.nodes:
-        match = _FRAME.findall(node.meta.get("stack_trace") or "")
-        if match:
-            path, line = match[-1]
-            return f"{path}:{line}"
+        frame = user_frame(node.meta.get("stack_trace"))
+        if frame is not None:
+            return str(frame)
     return ""
-
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
