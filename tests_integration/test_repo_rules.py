@@ -183,3 +183,34 @@ def test_public_api_matches_snapshot(module: str) -> None:
 def test_pure_packages_never_import_torch(module: str) -> None:
     code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _refusal_kind_enums() -> dict[str, Path]:
+    """The kind enum of every ``Refusal[Kind]`` subclass in the packages, by name."""
+    found = {}
+    for folder in PACKAGES:
+        for path in _sources(folder):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ClassDef):
+                    continue
+                for base in node.bases:
+                    if (
+                        isinstance(base, ast.Subscript)
+                        and _root_name(base.value) == "Refusal"
+                        and isinstance(base.slice, ast.Name)
+                    ):
+                        found[base.slice.id] = path
+    return found
+
+
+def test_refusal_kind_enums_share_one_naming_scheme() -> None:
+    """Every package's refusal kinds are ``<Area>RefusalKind`` (the umbrella's plain
+    ``RefusalKind``), each named in docs/unsupported.md."""
+    enums = _refusal_kind_enums()
+    assert len(enums) >= 8, sorted(enums)
+    text = (ROOT / "docs" / "unsupported.md").read_text()
+    for name, path in enums.items():
+        assert name.endswith("RefusalKind"), f"{path}: refusal kinds {name} break the scheme"
+        assert f"`{name}`" in text or f"`torchloom.{name}`" in text, (
+            f"docs/unsupported.md does not name {name}"
+        )

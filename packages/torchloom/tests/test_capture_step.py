@@ -29,7 +29,7 @@ from torchloom._step_guard import (
 )
 from torchloom._step_refusals import (
     SYNC_WARNING,
-    StepRefusal,
+    StepRefusalKind,
     collect_syncs,
     optimizer_refusals,
     scaler_refusals,
@@ -93,7 +93,7 @@ def test_uncaptured_step_matches_eager_over_several_steps(make_opt: Any) -> None
     stats = step.stats()
     assert stats.uncaptured_calls == 6 and stats.replays == 0 and not stats.captured
     if not torch.cuda.is_available():
-        assert stats.refusal is not None and stats.refusal.kind is StepRefusal.NO_CUDA
+        assert stats.refusal is not None and stats.refusal.kind is StepRefusalKind.NO_CUDA
 
 
 def test_no_cuda_reason_is_in_the_report_once_and_never_raises_under_or_error() -> None:
@@ -342,7 +342,7 @@ def test_non_capturable_adamw_is_refused_at_the_users_step_line() -> None:
     opt = torch.optim.AdamW(model.parameters(), capturable=False)
     fn = _make_step(model, opt)
     (reason,) = optimizer_refusals(fn, find_targets(fn), device_type="cpu")
-    assert reason.kind is StepRefusal.OPTIMIZER_NOT_CAPTURABLE
+    assert reason.kind is StepRefusalKind.OPTIMIZER_NOT_CAPTURABLE
     assert reason.where.startswith(f"{HERE}:{_line_of(_make_step, 'opt.step(')} in train_step")
     assert "capturable=True" in reason.hint and reason.op == "opt.step()"
     capturable = torch.optim.AdamW(model.parameters(), capturable=True)
@@ -375,7 +375,7 @@ def test_enabled_grad_scaler_is_refused() -> None:
         return loss
 
     (reason,) = scaler_refusals(amp_step, find_targets(amp_step))
-    assert reason.kind is StepRefusal.GRAD_SCALER
+    assert reason.kind is StepRefusalKind.GRAD_SCALER
     assert reason.where.startswith(f"{HERE}:{_line_of(amp_step, 'scaler.step(')} in amp_step")
 
 
@@ -386,7 +386,7 @@ def test_sync_refusal_names_the_users_line_and_op() -> None:
 
     stack = step_with_item(torch.ones(1))
     reason = sync_refusal(stack)
-    assert reason is not None and reason.kind is StepRefusal.SYNC_OP
+    assert reason is not None and reason.kind is StepRefusalKind.SYNC_OP
     line = _line_of(step_with_item, "stack = traceback.extract_stack()")
     assert reason.where == f"{HERE}:{line} in step_with_item"
     assert reason.op.startswith("stack = traceback.extract_stack()")
@@ -428,7 +428,7 @@ def test_sync_from_compile_machinery_is_not_the_steps() -> None:
 
 def test_or_error_message_names_the_step_and_the_switch() -> None:
     reason = torchloom.StepUnsupported(
-        StepRefusal.SYNC_OP, "train.py:3 in step", "waits", "keep .item() out", "loss.item()"
+        StepRefusalKind.SYNC_OP, "train.py:3 in step", "waits", "keep .item() out", "loss.item()"
     )
     err = torchloom.CaptureStepError(reason, "train_step")
     assert (
@@ -438,7 +438,7 @@ def test_or_error_message_names_the_step_and_the_switch() -> None:
     # The text is the shared refusal format (loom_sidefx.Refusal), the op leading the why.
     from loom_sidefx import Refusal as Base
 
-    plain = torchloom.StepUnsupported(StepRefusal.SYNC_OP, "train.py:3 in step", "waits", "h")
+    plain = torchloom.StepUnsupported(StepRefusalKind.SYNC_OP, "train.py:3 in step", "waits", "h")
     assert str(plain) == Base.__str__(plain) == "[sync_op] train.py:3 in step: waits (hint: h)"
     assert "TORCHLOOM_CUDAGRAPH_OR_ERROR" in str(err)
     from loom_sidefx import Refusal, RefusalError
@@ -509,7 +509,7 @@ def test_every_refusal_and_guard_kind_is_documented() -> None:
     from torchloom._step_guard import GuardKind as Kind
 
     text = (Path(HERE).resolve().parents[3] / "docs" / "capture_step.md").read_text()
-    missing = [k.name for k in StepRefusal if f"`{k.name}`" not in text]
+    missing = [k.name for k in StepRefusalKind if f"`{k.name}`" not in text]
     missing += [k.value for k in Kind if f"`{k.value}`" not in text]
     assert not missing, f"docs/capture_step.md lacks {missing}"
 
@@ -758,7 +758,7 @@ def test_host_python_state_changed_inside_the_step_is_refused() -> None:
     _check_run(eager, step, _batches(6))
     _same(m1, m2)
     reason = step.stats().refusal
-    assert reason is not None and reason.kind is StepRefusal.PYTHON_STATE
+    assert reason is not None and reason.kind is StepRefusalKind.PYTHON_STATE
     assert "['lr']" in reason.explanation and device.captures == 0
 
 
@@ -771,7 +771,7 @@ def test_host_python_output_is_refused_after_its_call() -> None:
     _check_run(eager, step, _batches(6))
     _same(m1, m2)
     reason = step.stats().refusal
-    assert reason is not None and reason.kind is StepRefusal.HOST_OUTPUT
+    assert reason is not None and reason.kind is StepRefusalKind.HOST_OUTPUT
 
 
 def test_host_capture_failure_restores_gradients_and_runs_eagerly() -> None:
@@ -779,12 +779,12 @@ def test_host_capture_failure_restores_gradients_and_runs_eagerly() -> None:
     _check_run(eager, step, _batches(6))
     _same(m1, m2)
     reason = step.stats().refusal
-    assert reason is not None and reason.kind is StepRefusal.CAPTURE_FAILED
+    assert reason is not None and reason.kind is StepRefusalKind.CAPTURE_FAILED
     assert "operation not permitted" in reason.explanation
 
 
 _WARM_SYNC = torchloom.StepUnsupported(
-    StepRefusal.SYNC_OP, "masks.py:9 in find_packed", "waits", "hint", "mask.all()"
+    StepRefusalKind.SYNC_OP, "masks.py:9 in find_packed", "waits", "hint", "mask.all()"
 )
 
 
@@ -1041,5 +1041,5 @@ def test_host_dropped_step_or_refused_recording_frees_its_graph_and_buffers() ->
         for x, y in _batches(5):
             refused(x, y)
         reason = refused.stats().refusal
-        assert reason is not None and reason.kind is StepRefusal.HOST_OUTPUT
+        assert reason is not None and reason.kind is StepRefusalKind.HOST_OUTPUT
         assert device.graphs[1]() is None

@@ -247,7 +247,7 @@ def test_cache_hit_reproduces_the_plan_and_its_skips(
     replays = host_stage.replays
     warm = compile_and_train()
     assert "stored" in cold[0] and "hit" in warm[0]
-    assert cold[1] == warm[1] == {loom_cudagraph.SkipReason.USER_MARKED: 1}
+    assert cold[1] == warm[1] == {loom_cudagraph.CudagraphRefusalKind.USER_MARKED: 1}
     assert cold[2] == warm[2]
     assert host_stage.replays > replays  # the cached graph runs captured segments
 
@@ -258,5 +258,5 @@ def test_graph_with_nothing_capturable_still_reports_its_skip(
     compiled = torch.compile(lambda x: x.sin(), backend=_host(host_stage), options=CG)
     x = torch.randn(3)
     torch.testing.assert_close(compiled(x), x.sin())
-    assert loom_cudagraph.skip_counts() == {loom_cudagraph.SkipReason.USER_MARKED: 1}
+    assert loom_cudagraph.skip_counts() == {loom_cudagraph.CudagraphRefusalKind.USER_MARKED: 1}
     assert host_stage.captures == 0

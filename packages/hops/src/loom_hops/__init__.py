@@ -32,7 +32,7 @@ from loom_hops._tensor_hooks import order_intermediate_hooks
 from loom_hops._unsupported import HopsRefusal, HopsRefusalKind, Unsupported
 from loom_hops.tracer import Guard as HookGuard
 from loom_hops.tracer import GuardKind as HookGuardKind
-from loom_hops.tracer import HookUnsupported, TracedHook, TraceRefusal, trace_hook
+from loom_hops.tracer import HookUnsupported, TracedHook, TraceRefusalKind, trace_hook
 
 __version__ = "0.1.0"
 
@@ -56,7 +56,7 @@ __all__ = [
     "Placement",
     "PythonHookTracer",
     "SubgraphHOP",
-    "TraceRefusal",
+    "TraceRefusalKind",
     "TracedHook",
     "TracedPack",
     "UnpackHookOp",

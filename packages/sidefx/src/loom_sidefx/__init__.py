@@ -10,7 +10,7 @@ from ._guards import (
     constant_guard,
 )
 from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
-from ._refusals import Refusal, RefusalError, SideEffectRefusal, SideEffectRefused, Unsupported
+from ._refusals import Refusal, RefusalError, SideEffectRefusalKind, SideEffectRefused, Unsupported
 from ._replay import PlanCheckError, ReplayPlan, checks_enabled
 from ._sources import (
     ArgSource,
@@ -74,7 +74,7 @@ __all__ = [
     "ReplayPlan",
     "Roots",
     "SameElements",
-    "SideEffectRefusal",
+    "SideEffectRefusalKind",
     "SideEffectRefused",
     "SideEffects",
     "Source",

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         StageRecord,
         report,
     )
-    from torchloom._step_refusals import CaptureStepError, StepRefusal, StepUnsupported
+    from torchloom._step_refusals import CaptureStepError, StepRefusalKind, StepUnsupported
     from torchloom._values import GraphKind
 
 _LAZY = {
@@ -59,7 +59,7 @@ _LAZY = {
         "torchloom._report",
     ),
     **dict.fromkeys(
-        ("CaptureStepError", "StepRefusal", "StepUnsupported"), "torchloom._step_refusals"
+        ("CaptureStepError", "StepRefusalKind", "StepUnsupported"), "torchloom._step_refusals"
     ),
     "GraphKind": "torchloom._values",
 }
@@ -104,7 +104,7 @@ __all__ = [
     "Report",
     "ReportEntry",
     "StageRecord",
-    "StepRefusal",
+    "StepRefusalKind",
     "StepStats",
     "StepUnsupported",
     "Unsupported",

@@ -48,7 +48,7 @@ from torchloom._step_guard import (
 )
 from torchloom._step_refusals import (
     CaptureStepError,
-    StepRefusal,
+    StepRefusalKind,
     StepUnsupported,
     autocast_refusal,
     call_site,
@@ -433,7 +433,7 @@ class CapturedStep(Generic[P, R]):
                 else ("the step's arguments, parameters and tensors are not on a CUDA device")
             )
             return StepUnsupported(
-                StepRefusal.NO_CUDA,
+                StepRefusalKind.NO_CUDA,
                 call_site(self.fn, ""),
                 f"{why}; the step runs uncaptured",
                 "nothing to do: capture_step captures CUDA steps",
@@ -446,7 +446,7 @@ class CapturedStep(Generic[P, R]):
         for i, v in enumerate(leaves):
             if isinstance(v, torch.Tensor) and v.device.type != self.device.type:
                 return StepUnsupported(
-                    StepRefusal.HOST_ARGUMENT,
+                    StepRefusalKind.HOST_ARGUMENT,
                     call_site(self.fn, ""),
                     f"tensor argument leaf {i} is on {v.device}; a replay reads device memory only",
                     "move it to the device before the call (x.cuda(non_blocking=True))",
@@ -516,7 +516,7 @@ class CapturedStep(Generic[P, R]):
             self._refuse(
                 self._warm_sync
                 or StepUnsupported(
-                    StepRefusal.CAPTURE_FAILED,
+                    StepRefusalKind.CAPTURE_FAILED,
                     call_site(self.fn, ""),
                     f"torch.cuda.graph capture raised {type(exc).__name__}: {exc}",
                     "run it with TORCHLOOM_LOG=debug and report the op",
@@ -591,7 +591,7 @@ class CapturedStep(Generic[P, R]):
         if host:
             self._refuse(
                 StepUnsupported(
-                    StepRefusal.HOST_OUTPUT,
+                    StepRefusalKind.HOST_OUTPUT,
                     call_site(self.fn, "return"),
                     f"the step returns Python values ({', '.join(host)}), which a replay "
                     "would repeat unchanged",
@@ -619,7 +619,7 @@ class CapturedStep(Generic[P, R]):
             return
         limit = self.options.capture_step_max_recordings
         reason = StepUnsupported(
-            StepRefusal.RECORDING_BUDGET,
+            StepRefusalKind.RECORDING_BUDGET,
             call_site(self.fn, ""),
             f"{len(self._recordings)} recordings and {self._extra_warm} calls for new guard sets "
             f"made (capture_step_max_recordings={limit}) and the guard failed again "
@@ -684,7 +684,7 @@ class CapturedStep(Generic[P, R]):
 
 def _python_state(fn: Callable[..., Any], changed: GuardMismatch) -> StepUnsupported:
     return StepUnsupported(
-        StepRefusal.PYTHON_STATE,
+        StepRefusalKind.PYTHON_STATE,
         call_site(fn, ""),
         f"the step itself changes Python state that a replay would not change ({changed})",
         "keep scheduler.step(), parameter swaps and other Python updates out of the step "

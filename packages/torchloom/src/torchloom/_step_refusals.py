@@ -29,7 +29,7 @@ from torchloom._step_guard import StepTargets
 
 __all__ = [
     "CaptureStepError",
-    "StepRefusal",
+    "StepRefusalKind",
     "StepUnsupported",
     "autocast_refusal",
     "call_site",
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-class StepRefusal(enum.Enum):
+class StepRefusalKind(enum.Enum):
     """Why a step runs uncaptured (every member is listed in docs/capture_step.md)."""
 
     #: No CUDA device, or the step's tensors are not on one: nothing to capture.
@@ -67,7 +67,7 @@ class StepRefusal(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StepUnsupported(Refusal[StepRefusal]):
+class StepUnsupported(Refusal[StepRefusalKind]):
     """What was refused, where (the user's ``file:line``), why, what to do instead
     (a ``loom_sidefx.Refusal``, formatted as every refusal is); ``op`` names the
     operation or its source line and leads the explanation."""
@@ -191,7 +191,7 @@ def optimizer_refusals(
         if any(f is False for f in flags):
             out.append(
                 StepUnsupported(
-                    StepRefusal.OPTIMIZER_NOT_CAPTURABLE,
+                    StepRefusalKind.OPTIMIZER_NOT_CAPTURABLE,
                     where,
                     f"{name} ({cls}) has capturable=False: its step counter lives on the host "
                     "and a replay would repeat the captured step number",
@@ -203,7 +203,7 @@ def optimizer_refusals(
             if type(opt).__module__.startswith("torch.optim"):
                 out.append(
                     StepUnsupported(
-                        StepRefusal.OPTIMIZER_NOT_CAPTURABLE,
+                        StepRefusalKind.OPTIMIZER_NOT_CAPTURABLE,
                         where,
                         f"{name} ({cls}) has no capturable step",
                         "use SGD, or Adam/AdamW/... with capturable=True",
@@ -220,7 +220,7 @@ def scaler_refusals(fn: Callable[..., Any], targets: StepTargets) -> list[StepUn
         if scaler.is_enabled():
             out.append(
                 StepUnsupported(
-                    StepRefusal.GRAD_SCALER,
+                    StepRefusalKind.GRAD_SCALER,
                     call_site(fn, f"{name}.step("),
                     f"{name} (GradScaler) skips optimizer steps after a host-side inf check",
                     "train in bfloat16 autocast without a GradScaler, or leave this step uncaptured",
@@ -236,7 +236,7 @@ def autocast_refusal(fn: Callable[..., Any]) -> StepUnsupported | None:
     if not torch.is_autocast_enabled("cuda") or not torch.is_autocast_cache_enabled():
         return None
     return StepUnsupported(
-        StepRefusal.AUTOCAST_CACHE,
+        StepRefusalKind.AUTOCAST_CACHE,
         call_site(fn, ""),
         "the step is called inside torch.autocast with cache_enabled=True",
         "enter autocast inside the step function, or pass cache_enabled=False",
@@ -254,7 +254,7 @@ def sync_refusal(stack: Sequence[traceback.FrameSummary]) -> StepUnsupported | N
     if frame is not None:
         line = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
     return StepUnsupported(
-        StepRefusal.SYNC_OP,
+        StepRefusalKind.SYNC_OP,
         _where(frame),
         "the step waits for the device on the host (a synchronizing CUDA operation); "
         "a replay cannot return a host value",

@@ -4,7 +4,7 @@ from loom_sidefx import Guard, GuardKind, ReplayPlan
 
 from .api import trace_hook
 from .predicates import EqualTo, TensorMeta
-from .refusal import HookUnsupported, TraceRefusal
+from .refusal import HookUnsupported, TraceRefusalKind
 from .traced import TracedHook
 
 __all__ = [
@@ -14,7 +14,7 @@ __all__ = [
     "HookUnsupported",
     "ReplayPlan",
     "TensorMeta",
-    "TraceRefusal",
+    "TraceRefusalKind",
     "TracedHook",
     "trace_hook",
 ]

@@ -18,7 +18,7 @@ import torch
 from loom_sidefx import AttrSource, GuardKind, Missing, ObjectSource, Staged
 
 from .context import TraceContext, is_const, is_symbolic, slot
-from .refusal import TraceRefusal, refuse
+from .refusal import TraceRefusalKind, refuse
 from .values import (
     ConstV,
     FunctionV,
@@ -126,7 +126,7 @@ def get_attr(ctx: TraceContext, v: Value, name: str, depth: int) -> Value:
         }[name]
         return ConstV(value)
     raise refuse(
-        TraceRefusal.UNSUPPORTED_ATTRIBUTE,
+        TraceRefusalKind.UNSUPPORTED_ATTRIBUTE,
         f"attribute {name!r} of a {v.py_type.__qualname__} is not supported",
     )
 
@@ -141,9 +141,9 @@ def _tensor_attr(ctx: TraceContext, v: TensorV, name: str) -> Value:
         return ctx.call_torch(getattr, [v, ConstV(name)], {})
     if name in TENSOR_METHOD_DENYLIST:
         raise refuse(
-            TraceRefusal.DATA_DEPENDENT_OP
+            TraceRefusalKind.DATA_DEPENDENT_OP
             if name in ("item", "tolist", "numpy", "equal", "allclose", "is_nonzero")
-            else TraceRefusal.UNSUPPORTED_CALL,
+            else TraceRefusalKind.UNSUPPORTED_CALL,
             f"Tensor.{name} cannot be traced into a graph",
             "keep Python logic on tensor metadata; leave data-dependent or autograd work outside the hook",
         )
@@ -153,7 +153,7 @@ def _tensor_attr(ctx: TraceContext, v: TensorV, name: str) -> Value:
     if name in ("__getitem__", "__add__", "__mul__", "__sub__", "__truediv__", "__neg__"):
         return MethodV(v, name, attr)
     raise refuse(
-        TraceRefusal.UNSUPPORTED_ATTRIBUTE,
+        TraceRefusalKind.UNSUPPORTED_ATTRIBUTE,
         f"tensor attribute {name!r} is not supported",
         "use dtype, shape, device, requires_grad or a Tensor method",
     )
@@ -164,7 +164,7 @@ def _const_attr(ctx: TraceContext, v: ConstV, name: str) -> Value:
     try:
         attr = getattr(value, name)
     except AttributeError as exc:
-        raise refuse(TraceRefusal.HOOK_RAISES, f"AttributeError: {exc}") from None
+        raise refuse(TraceRefusalKind.HOOK_RAISES, f"AttributeError: {exc}") from None
     if isinstance(value, types.ModuleType):
         constant_module = value.__name__.split(".")[0] in (
             "torch",
@@ -178,7 +178,9 @@ def _const_attr(ctx: TraceContext, v: ConstV, name: str) -> Value:
             AttrSource(v.source, name) if v.source is not None and not constant_module else None
         )
         if source is None and isinstance(attr, torch.Tensor):
-            raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"module tensor {value.__name__}.{name}")
+            raise refuse(
+                TraceRefusalKind.UNSUPPORTED_VALUE, f"module tensor {value.__name__}.{name}"
+            )
         if source is None and isinstance(attr, types.FunctionType):
             return ConstV(attr)
         return ctx.wrap(attr, source) if source is not None else _const_or_wrap(ctx, attr)
@@ -195,7 +197,7 @@ def _const_attr(ctx: TraceContext, v: ConstV, name: str) -> Value:
     if is_const(attr):
         return ConstV(attr)
     raise refuse(
-        TraceRefusal.UNSUPPORTED_ATTRIBUTE, f"attribute {name!r} of {type(value).__qualname__}"
+        TraceRefusalKind.UNSUPPORTED_ATTRIBUTE, f"attribute {name!r} of {type(value).__qualname__}"
     )
 
 
@@ -212,7 +214,7 @@ def _object_attr(ctx: TraceContext, v: ObjectV, name: str, depth: int) -> Value:
         written: Value = stored.payload
         return written
     if stored is Missing.ABSENT and not v.ref.is_new:
-        raise refuse(TraceRefusal.HOOK_RAISES, f"AttributeError: {name!r} was deleted")
+        raise refuse(TraceRefusalKind.HOOK_RAISES, f"AttributeError: {name!r} was deleted")
     cls = v.py_type
     static = _static_lookup(cls, name)
     if static is not None and _is_data_descriptor(static):
@@ -222,7 +224,7 @@ def _object_attr(ctx: TraceContext, v: ObjectV, name: str, depth: int) -> Value:
             getter = ctx.function_value(static.fget, None)
             return call_value(ctx, getter, [v], {}, depth)
         raise refuse(
-            TraceRefusal.UNSUPPORTED_ATTRIBUTE,
+            TraceRefusalKind.UNSUPPORTED_ATTRIBUTE,
             f"attribute {name!r} of {cls.__qualname__} is a {type(static).__name__}",
         )
     inst_dict = getattr(v.obj, "__dict__", None) if v.obj is not None else None
@@ -250,9 +252,11 @@ def _object_attr(ctx: TraceContext, v: ObjectV, name: str, depth: int) -> Value:
             return ctx.wrap(getattr(v.obj, name), AttrSource(v.source, name))
         return _const_or_wrap(ctx, static)
     if _static_lookup(cls, "__getattr__") is not None:
-        raise refuse(TraceRefusal.UNSUPPORTED_ATTRIBUTE, f"{cls.__qualname__} defines __getattr__")
+        raise refuse(
+            TraceRefusalKind.UNSUPPORTED_ATTRIBUTE, f"{cls.__qualname__} defines __getattr__"
+        )
     raise refuse(
-        TraceRefusal.HOOK_RAISES,
+        TraceRefusalKind.HOOK_RAISES,
         f"AttributeError: {cls.__qualname__!r} object has no attribute {name!r}",
     )
 
@@ -266,30 +270,30 @@ def _super_attr(ctx: TraceContext, v: SuperV, name: str) -> Value:
             if isinstance(attr, types.FunctionType) or callable(attr):
                 return MethodV(v.self_v, name, attr)
             return _const_or_wrap(ctx, attr)
-    raise refuse(TraceRefusal.HOOK_RAISES, f"AttributeError: super() has no attribute {name!r}")
+    raise refuse(TraceRefusalKind.HOOK_RAISES, f"AttributeError: super() has no attribute {name!r}")
 
 
 def set_attr(ctx: TraceContext, v: Value, name: str, value: Value) -> None:
     """``v.name = value``: a store in the trace's side-effect log."""
     if not isinstance(v, ObjectV):
         raise refuse(
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+            TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
             f"setting attribute {name!r} on a {v.py_type.__qualname__}",
         )
     cls = v.py_type
     if v.obj is None or not hasattr(v.obj, "__dict__"):
         raise refuse(
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+            TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
             f"setting attribute {name!r} on a {cls.__qualname__} without an instance __dict__",
         )
     if slot(cls, "__setattr__") is not object.__setattr__:
         raise refuse(
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"{cls.__qualname__} overrides __setattr__"
+            TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT, f"{cls.__qualname__} overrides __setattr__"
         )
     static = _static_lookup(cls, name)
     if static is not None and _is_data_descriptor(static):
         raise refuse(
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"{cls.__qualname__}.{name} is a descriptor"
+            TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT, f"{cls.__qualname__}.{name} is a descriptor"
         )
     with ctx.log() as se:
         se.store_attr(v.ref, name, Staged(value))
@@ -298,7 +302,7 @@ def set_attr(ctx: TraceContext, v: Value, name: str, value: Value) -> None:
 def del_attr(ctx: TraceContext, v: Value, name: str) -> None:
     """``del v.name``."""
     if not isinstance(v, ObjectV) or slot(v.py_type, "__delattr__") is not object.__delattr__:
-        raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"deleting attribute {name!r}")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT, f"deleting attribute {name!r}")
     get_attr(ctx, v, name, 0)  # AttributeError if it is not there
     with ctx.log() as se:
         se.del_attr(v.ref, name)

@@ -20,7 +20,7 @@ from loom_sidefx import COMPUTE_OPS, Computed, Staged
 from loom_sidefx import Value as Recorded
 
 from .context import TraceContext, operand, slot
-from .refusal import TraceRefusal, refuse
+from .refusal import TraceRefusalKind, refuse
 from .values import (
     ConstV,
     DictV,
@@ -69,7 +69,7 @@ def python_op(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except Exception as exc:
-        raise refuse(TraceRefusal.HOOK_RAISES, f"{type(exc).__name__}: {exc}") from None
+        raise refuse(TraceRefusalKind.HOOK_RAISES, f"{type(exc).__name__}: {exc}") from None
 
 
 def _ref_of(v: Value) -> tuple[Recorded, tuple[Any, ...]]:
@@ -84,7 +84,7 @@ def binary_op(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
     inplace = symbol.endswith("=") and symbol not in ("==", "!=", "<=", ">=")
     base = symbol[:-1] if inplace else symbol
     if base not in PLAIN_OPS:
-        raise refuse(TraceRefusal.UNSUPPORTED_OPCODE, f"binary operator {symbol!r}")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_OPCODE, f"binary operator {symbol!r}")
     if isinstance(a, TensorV) or isinstance(b, TensorV):
         fn = INPLACE_OPS[base] if inplace and isinstance(a, TensorV) else PLAIN_OPS[base]
         return ctx.call_torch(fn, [a, b], {})
@@ -128,7 +128,8 @@ def _sequence_op(ctx: TraceContext, base: str, a: ListV | TupleV, b: Value) -> V
             isinstance(a, TupleV) and isinstance(b, ConstV) and isinstance(b.value, tuple)
         ):
             raise refuse(
-                TraceRefusal.HOOK_RAISES, f"TypeError: can only concatenate {a.py_type.__name__}"
+                TraceRefusalKind.HOOK_RAISES,
+                f"TypeError: can only concatenate {a.py_type.__name__}",
             )
         items = items_a + ctx.sequence_items(b)
     if isinstance(a, TupleV):
@@ -174,7 +175,7 @@ def is_same(ctx: TraceContext, a: Value, b: Value) -> bool:
 def contains(ctx: TraceContext, item: Value, container: Value) -> bool:
     ctx.require_base_protocol(container, "__contains__")
     if isinstance(container, TensorV) or isinstance(item, TensorV):
-        raise refuse(TraceRefusal.TENSOR_VALUE_CONTROL_FLOW, "membership test on a tensor")
+        raise refuse(TraceRefusalKind.TENSOR_VALUE_CONTROL_FLOW, "membership test on a tensor")
     if isinstance(container, DictV):
         return bool(python_op(operator.contains, ctx.dict_items(container), ctx.specialize(item)))
     if isinstance(container, SetV):
@@ -192,7 +193,7 @@ def truthy(ctx: TraceContext, v: Value) -> bool:
     """``bool(v)`` for a branch."""
     if isinstance(v, TensorV):
         raise refuse(
-            TraceRefusal.TENSOR_VALUE_CONTROL_FLOW,
+            TraceRefusalKind.TENSOR_VALUE_CONTROL_FLOW,
             "a branch depends on a tensor's values",
             "branch on tensor metadata (dtype, shape, device) instead, or use torch.where",
         )
@@ -208,7 +209,7 @@ def truthy(ctx: TraceContext, v: Value) -> bool:
     if isinstance(v, ObjectV):
         cls = v.py_type
         if getattr(cls, "__bool__", None) is not None or getattr(cls, "__len__", None) is not None:
-            raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"truth value of a {cls.__qualname__}")
+            raise refuse(TraceRefusalKind.UNSUPPORTED_VALUE, f"truth value of a {cls.__qualname__}")
     return True
 
 
@@ -220,7 +221,7 @@ def get_item(ctx: TraceContext, container: Value, index: Value) -> Value:
         key = ctx.specialize(index)
         items = ctx.dict_items(container)
         if key not in items:
-            raise refuse(TraceRefusal.HOOK_RAISES, f"KeyError: {key!r}")
+            raise refuse(TraceRefusalKind.HOOK_RAISES, f"KeyError: {key!r}")
         return items[key]
     if isinstance(container, (ListV, TupleV)):
         idx = ctx.specialize(index)
@@ -238,7 +239,9 @@ def get_item(ctx: TraceContext, container: Value, index: Value) -> Value:
         return ConstV(
             python_op(operator.getitem, operand(ctx, container), python_value(ctx, index))
         )
-    raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"subscript of a {container.py_type.__qualname__}")
+    raise refuse(
+        TraceRefusalKind.UNSUPPORTED_VALUE, f"subscript of a {container.py_type.__qualname__}"
+    )
 
 
 def set_item(ctx: TraceContext, container: Value, index: Value, value: Value) -> None:
@@ -248,7 +251,7 @@ def set_item(ctx: TraceContext, container: Value, index: Value, value: Value) ->
     if isinstance(container, ListV) and slot(container.py_type, "__setitem__") is list.__setitem__:
         idx = ctx.specialize(index)
         if not isinstance(idx, int):
-            raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, "slice assignment to a list")
+            raise refuse(TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT, "slice assignment to a list")
         python_op(operator.setitem, ctx.list_items(container), idx, value)
         with ctx.log() as se:
             se.list_setitem(container.ref, idx, Staged(value))
@@ -260,7 +263,7 @@ def set_item(ctx: TraceContext, container: Value, index: Value, value: Value) ->
             se.dict_setitem(container.ref, key, Staged(value))
         return
     raise refuse(
-        TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+        TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
         f"item assignment on a {container.py_type.__qualname__}",
     )
 
@@ -269,7 +272,7 @@ def del_item(ctx: TraceContext, container: Value, index: Value) -> None:
     if isinstance(container, ListV) and slot(container.py_type, "__delitem__") is list.__delitem__:
         idx = ctx.specialize(index)
         if not isinstance(idx, int):
-            raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, "slice deletion from a list")
+            raise refuse(TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT, "slice deletion from a list")
         python_op(operator.delitem, ctx.list_items(container), idx)
         with ctx.log() as se:
             se.list_delitem(container.ref, idx)
@@ -281,7 +284,8 @@ def del_item(ctx: TraceContext, container: Value, index: Value) -> None:
             se.dict_delitem(container.ref, key)
         return
     raise refuse(
-        TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"item deletion on a {container.py_type.__qualname__}"
+        TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
+        f"item deletion on a {container.py_type.__qualname__}",
     )
 
 
