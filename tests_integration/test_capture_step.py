@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchloom
-from torchloom import StepRefusal
+from torchloom import StepRefusalKind
 
 pytestmark = pytest.mark.gpu
 
@@ -434,7 +434,7 @@ def test_item_in_the_step_is_refused_with_the_users_line(cuda: torch.device) -> 
     assert l1 == pytest.approx(l2)
     _assert_same_params(m1, m2)
     reason = step.stats().refusal
-    assert reason is not None and reason.kind is StepRefusal.SYNC_OP
+    assert reason is not None and reason.kind is StepRefusalKind.SYNC_OP
     lines, first = inspect.getsourcelines(_item_step)
     line = first + next(k for k, s in enumerate(lines) if "loss.item()" in s)
     assert reason.where == f"{HERE}:{line} in logging_step"
@@ -461,7 +461,7 @@ def test_non_capturable_adamw_is_refused_naming_the_fix(cuda: torch.device) -> N
     step = torchloom.capture_step(_standard_step(m2, o2))
     _run(_standard_step(m1, o1), step, [_batch(i, cuda) for i in range(5)])
     reason = step.stats().refusal
-    assert reason is not None and reason.kind is StepRefusal.OPTIMIZER_NOT_CAPTURABLE
+    assert reason is not None and reason.kind is StepRefusalKind.OPTIMIZER_NOT_CAPTURABLE
     assert "capturable=True" in reason.hint and f"{HERE}:" in reason.where
 
 

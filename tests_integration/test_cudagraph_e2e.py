@@ -114,7 +114,7 @@ def test_cpu_op_in_the_middle_keeps_captured_segments_around_it(
             x, y = torch.randn(2, 2, device=CUDA), torch.randn(2, 2, device=CUDA)
             torch.testing.assert_close(compiled(x, y), f(x, y))
     assert [captured for _, captured in _segments()] == [True, False, True]
-    assert loom_cudagraph.skip_counts().get(loom_cudagraph.SkipReason.DEVICE_COPY, 0) >= 1
+    assert loom_cudagraph.skip_counts().get(loom_cudagraph.CudagraphRefusalKind.DEVICE_COPY, 0) >= 1
     assert any("device_copy" in r.getMessage() for r in caplog.records)
     assert _replays() >= 6
 
@@ -135,7 +135,7 @@ def test_parameter_replaced_every_call_records_again_then_falls_back(
     assert len(budget) == 1
     assert "changed its data pointer from 0x" in budget[0]
     assert max(s.recordings for s in _stats()) == 3
-    assert loom_cudagraph.skip_counts() == {loom_cudagraph.SkipReason.RECORDING_BUDGET: 1}
+    assert loom_cudagraph.skip_counts() == {loom_cudagraph.CudagraphRefusalKind.RECORDING_BUDGET: 1}
 
 
 def test_outputs_kept_across_many_calls_stay_correct() -> None:

@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from loom_cells import CellModel, CellRefusal, CellRefused, FrameCells, GuardKind, compile_guards
+from loom_cells import (
+    CellModel,
+    CellRefusalKind,
+    CellRefused,
+    FrameCells,
+    GuardKind,
+    compile_guards,
+)
 from loom_sidefx import (
     ArgSource,
     Computed,
@@ -121,7 +128,7 @@ def test_name_shadowing_between_nested_locals_and_the_outer_cell() -> None:
     local_frame = FrameCells(cells, local_code, root.closure_for(local_code))
     with pytest.raises(CellRefused) as info:
         local_frame.cell("x")
-    assert info.value.reason.kind is CellRefusal.UNKNOWN_NAME
+    assert info.value.reason.kind is CellRefusalKind.UNKNOWN_NAME
     from_local = 100  # the tracer keeps `x = 100` as a fast local
 
     cell_code = code_of(hook, "shadow_cell")

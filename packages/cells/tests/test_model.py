@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from loom_cells import CellModel, CellRefusal, CellRefused, FrameCells, GuardKind, compile_guards
+from loom_cells import (
+    CellModel,
+    CellRefusalKind,
+    CellRefused,
+    FrameCells,
+    GuardKind,
+    compile_guards,
+)
 from loom_sidefx import ClosureSource, Computed, GlobalSource, Roots, SideEffects, concrete
 
 
@@ -116,7 +123,7 @@ def test_reading_an_empty_cell_is_refused() -> None:
     frame = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
     with pytest.raises(CellRefused) as info:
         frame.load("late")
-    assert info.value.reason.kind is CellRefusal.EMPTY_CELL
+    assert info.value.reason.kind is CellRefusalKind.EMPTY_CELL
 
 
 def test_new_cell_captured_by_nested_function_is_pruned_unless_it_escapes() -> None:
@@ -157,10 +164,10 @@ def test_cells_of_a_sourceless_function_cannot_be_written_or_guarded() -> None:
     (c,) = cells.closure_of(hook, None)  # type: ignore[arg-type]
     with pytest.raises(CellRefused) as info:
         cells.load(c)
-    assert info.value.reason.kind is CellRefusal.NO_SOURCE
+    assert info.value.reason.kind is CellRefusalKind.NO_SOURCE
     with pytest.raises(CellRefused) as info:
         cells.store(c, 1)
-    assert info.value.reason.kind is CellRefusal.NO_SOURCE
+    assert info.value.reason.kind is CellRefusalKind.NO_SOURCE
     unguarded = CellModel(SideEffects(), guard_policy=lambda v: None)
     (c2,) = unguarded.closure_of(hook, None)  # type: ignore[arg-type]
     assert unguarded.load(c2) == 0, "a read the policy does not guard needs no source"
@@ -170,11 +177,11 @@ def test_non_cells_and_wrong_closures_are_refused() -> None:
     cells = CellModel(SideEffects())
     with pytest.raises(CellRefused) as info:
         cells.existing(42, ClosureSource(0, "x"))  # type: ignore[arg-type]
-    assert info.value.reason.kind is CellRefusal.NOT_A_CELL
+    assert info.value.reason.kind is CellRefusalKind.NOT_A_CELL
     hook = make_counter()
     with pytest.raises(CellRefused) as info:
         FrameCells(cells, hook.__code__, ())
-    assert info.value.reason.kind is CellRefusal.NOT_A_CELL
+    assert info.value.reason.kind is CellRefusalKind.NOT_A_CELL
 
 
 def test_a_counter_replayed_as_arithmetic_needs_no_guard() -> None:
@@ -265,7 +272,7 @@ def test_staging_into_a_cell_without_a_source_is_refused() -> None:
     (c,) = cells.closure_of(hook, None)  # type: ignore[arg-type]
     with pytest.raises(CellRefused) as info:
         cells.stage(c, Symbolic())
-    assert info.value.reason.kind is CellRefusal.NO_SOURCE
+    assert info.value.reason.kind is CellRefusalKind.NO_SOURCE
 
 
 def test_rollback_restores_the_staged_contents() -> None:

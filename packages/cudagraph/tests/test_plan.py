@@ -12,9 +12,9 @@ from _cg_helpers import CUDA, fake_inputs, needs_cuda_build, plan_of, trace_fake
 
 from loom_cudagraph import (
     CudagraphOptions,
+    CudagraphRefusalKind,
     PartitionPlan,
     PlanError,
-    SkipReason,
     classify_node,
     mark_non_capturable,
     plan_graph,
@@ -22,7 +22,7 @@ from loom_cudagraph import (
 )
 
 
-def _kinds(plan: PartitionPlan) -> list[tuple[bool, set[SkipReason]]]:
+def _kinds(plan: PartitionPlan) -> list[tuple[bool, set[CudagraphRefusalKind]]]:
     return [(s.captured, {r.kind for r in s.reasons}) for s in plan.segments]
 
 
@@ -52,13 +52,19 @@ def test_cpu_copy_in_the_middle_leaves_captured_segments_around_it() -> None:
     plan = plan_of(f, ((2, 2), CUDA), ((2, 2), CUDA))
     assert [s.captured for s in plan.segments] == [True, False, True]
     middle = plan.segments[1]
-    assert {r.kind for r in middle.reasons} == {SkipReason.DEVICE_COPY, SkipReason.CPU_TENSOR}
+    assert {r.kind for r in middle.reasons} == {
+        CudagraphRefusalKind.DEVICE_COPY,
+        CudagraphRefusalKind.CPU_TENSOR,
+    }
     assert middle.cuda_work
     # x + 1, y + 1, x @ y and their sum do not depend on the host op: they all
     # join the first segment, and only the final add waits for the copy back.
     assert plan.segments[0].nodes == ("add", "add_1", "mm", "add_3", "add_4")
     assert len(plan.segments[2].nodes) == 1
-    assert [r.kind for r in plan.skips()] == [SkipReason.DEVICE_COPY, SkipReason.DEVICE_COPY]
+    assert [r.kind for r in plan.skips()] == [
+        CudagraphRefusalKind.DEVICE_COPY,
+        CudagraphRefusalKind.DEVICE_COPY,
+    ]
 
 
 def test_host_only_node_is_refused_but_is_no_cuda_skip() -> None:
@@ -75,14 +81,14 @@ def test_item_and_nonzero_are_sync_and_data_dependent() -> None:
 
     plan = plan_of(f, ((4,), CUDA))
     kinds = {r.kind for r in plan.skips()}
-    assert kinds == {SkipReason.SYNC_OP, SkipReason.DATA_DEPENDENT_SHAPE}
+    assert kinds == {CudagraphRefusalKind.SYNC_OP, CudagraphRefusalKind.DATA_DEPENDENT_SHAPE}
     ops = {r.op for r in plan.skips()}
     assert ops == {"aten._local_scalar_dense.default", "aten.nonzero.default"}
 
 
 def test_masked_select_has_a_data_dependent_shape() -> None:
     plan = plan_of(lambda x: torch.masked_select(x, x > 0) * 2, ((4,), CUDA))
-    assert SkipReason.DATA_DEPENDENT_SHAPE in {r.kind for r in plan.skips()}
+    assert CudagraphRefusalKind.DATA_DEPENDENT_SHAPE in {r.kind for r in plan.skips()}
     # the multiply reads an unbacked size: it stays out of the graph too
     assert not plan.segments[-1].captured
 
@@ -98,7 +104,7 @@ def test_integer_tensor_indexing_is_captured_and_boolean_masks_are_not() -> None
     assert plan.skips() == () and all(s.captured for s in plan.segments)
     masked = plan_of(lambda t: t[t > 0] * 2, ((8, 8), CUDA))
     assert {r.op for r in masked.skips()} >= {"aten.index.Tensor"}
-    assert SkipReason.DATA_DEPENDENT_SHAPE in {r.kind for r in masked.skips()}
+    assert CudagraphRefusalKind.DATA_DEPENDENT_SHAPE in {r.kind for r in masked.skips()}
 
 
 def test_user_marked_op_is_refused_until_unmarked() -> None:
@@ -106,7 +112,7 @@ def test_user_marked_op_is_refused_until_unmarked() -> None:
     try:
         plan = plan_of(lambda x: (x + 1).sin() * 2, ((4,), CUDA))
         (reason,) = plan.skips()
-        assert reason.kind is SkipReason.USER_MARKED
+        assert reason.kind is CudagraphRefusalKind.USER_MARKED
         assert reason.explanation == "my kernel reads host memory"
         assert [s.captured for s in plan.segments] == [True, False, True]
     finally:
@@ -127,7 +133,7 @@ def test_custom_op_tagged_cudagraph_unsafe_is_refused() -> None:
 
     plan = plan_of(lambda x: unsafe_double(x + 1) + 1, ((4,), CUDA))
     (reason,) = plan.skips()
-    assert reason.kind is SkipReason.USER_MARKED
+    assert reason.kind is CudagraphRefusalKind.USER_MARKED
     assert "cudagraph_unsafe" in reason.explanation
 
 
@@ -151,20 +157,20 @@ def test_collective_is_refused_with_its_source_line() -> None:
     _, (x,) = fake_inputs(((4,), CUDA))
     node = _graph_with_call(torch.ops._c10d_functional.all_reduce.default, [x], x)
     reason = classify_node(node, torch.device("cuda", 0))
-    assert reason is not None and reason.kind is SkipReason.COLLECTIVE
-    assert reason.where == "/user/train.py:12 in step: y = op(x)"
+    assert reason is not None and reason.kind is CudagraphRefusalKind.COLLECTIVE
+    assert reason.where == "/user/train.py:12 in step"
 
 
 def test_rng_state_wrappers_and_second_device_are_refused() -> None:
     _, (x, other) = fake_inputs(((4,), "cuda:0"), ((4,), "cuda:1"))
     node = _graph_with_call(torch.ops.aten.add.Tensor, [x, other], x)
     reason = classify_node(node, torch.device("cuda", 0))
-    assert reason is not None and reason.kind is SkipReason.OTHER_DEVICE
+    assert reason is not None and reason.kind is CudagraphRefusalKind.OTHER_DEVICE
     from torch._prims.rng_prims import run_and_save_rng_state
 
     node = _graph_with_call(run_and_save_rng_state, [x], x)
     reason = classify_node(node, torch.device("cuda", 0))
-    assert reason is not None and reason.kind is SkipReason.RNG_STATE
+    assert reason is not None and reason.kind is CudagraphRefusalKind.RNG_STATE
 
 
 def test_device_without_an_index_means_the_graphs_own_cuda_device() -> None:
@@ -181,7 +187,7 @@ def test_device_without_an_index_means_the_graphs_own_cuda_device() -> None:
     plan = plan_graph(gm, inputs, (), CudagraphOptions(), device="cuda:1")
     assert plan.device == "cuda:1"
     assert [s.nodes for s in plan.captured_segments] == [("mul_1",)]
-    assert {r.kind for s in plan.segments for r in s.reasons} == {SkipReason.OTHER_DEVICE}
+    assert {r.kind for s in plan.segments for r in s.reasons} == {CudagraphRefusalKind.OTHER_DEVICE}
 
 
 def test_getitem_follows_its_producer() -> None:
@@ -203,7 +209,7 @@ def test_small_segments_run_uncaptured_with_a_threshold() -> None:
     assert not any(s.captured for s in plan.segments)
     # the demoted segments merged with their uncaptured neighbour
     assert len(plan.segments) == 1
-    assert SkipReason.TOO_SMALL in {r.kind for r in plan.skips()}
+    assert CudagraphRefusalKind.TOO_SMALL in {r.kind for r in plan.skips()}
 
 
 @needs_cuda_build
@@ -367,4 +373,4 @@ def test_cpu_scalar_constant_is_captured_but_cpu_scalar_input_is_not() -> None:
     cuda = torch.device("cuda", 0)
     assert classify_node(mul_const, cuda) is None
     reason = classify_node(mul_input, cuda)
-    assert reason is not None and reason.kind is SkipReason.CPU_TENSOR
+    assert reason is not None and reason.kind is CudagraphRefusalKind.CPU_TENSOR

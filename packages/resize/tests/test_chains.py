@@ -13,7 +13,7 @@ import torch
 from resize_testing import RESIZE, GraphBuilder, aten, empty_param, fsdp_copy, targets
 from torch.fx import GraphModule
 
-from loom_resize import ResizeKind, remove_resize_copy_resize
+from loom_resize import ResizeRefusalKind, remove_resize_copy_resize
 
 Fill = Callable[[GraphBuilder, torch.fx.Node, torch.fx.Node], Any]
 
@@ -146,7 +146,7 @@ def test_source_with_other_metadata_leaves_the_chain_alone(
     result = remove_resize_copy_resize(gm)
     assert not result.modified and gm.code == before
     (reason,) = result.left_alone
-    assert reason.kind is ResizeKind.METADATA_MISMATCH and detail in reason.explanation
+    assert reason.kind is ResizeRefusalKind.METADATA_MISMATCH and detail in reason.explanation
     assert "'p'" in reason.where
     (got, _), _ = _run(gm, inputs)
     torch.testing.assert_close(got, want)
@@ -167,7 +167,7 @@ def test_view_returned_for_backward_leaves_the_chain_alone() -> None:
     gm = _chain_with(lambda b, p: b.call(aten.t.default, p))
     result = remove_resize_copy_resize(gm)
     (reason,) = result.left_alone
-    assert reason.kind is ResizeKind.VIEW_ESCAPES and not result.modified
+    assert reason.kind is ResizeRefusalKind.VIEW_ESCAPES and not result.modified
 
 
 def test_view_of_a_view_returned_for_backward_leaves_the_chain_alone() -> None:
@@ -175,13 +175,13 @@ def test_view_of_a_view_returned_for_backward_leaves_the_chain_alone() -> None:
         return b.call(aten.view.default, b.call(aten.t.default, p), [16])
 
     (reason,) = remove_resize_copy_resize(_chain_with(nested)).left_alone
-    assert reason.kind is ResizeKind.VIEW_ESCAPES and "view_default" in reason.explanation
+    assert reason.kind is ResizeRefusalKind.VIEW_ESCAPES and "view_default" in reason.explanation
 
 
 def test_other_mutation_of_the_input_leaves_the_chain_alone() -> None:
     gm = _chain_with(lambda b, p: (b.call(aten.add_.Tensor, p, 1), None)[1])
     (reason,) = remove_resize_copy_resize(gm).left_alone
-    assert reason.kind is ResizeKind.OTHER_MUTATION and "add_" in reason.explanation
+    assert reason.kind is ResizeRefusalKind.OTHER_MUTATION and "add_" in reason.explanation
 
 
 def test_read_between_resize_and_fill_leaves_the_chain_alone() -> None:
@@ -192,7 +192,10 @@ def test_read_between_resize_and_fill_leaves_the_chain_alone() -> None:
     b.call(fsdp_copy(), p, src)
     b.resize(p, 0)
     (reason,) = remove_resize_copy_resize(b.build(early)).left_alone
-    assert reason.kind is ResizeKind.UNPAIRED_RESIZES and "before the fill" in reason.explanation
+    assert (
+        reason.kind is ResizeRefusalKind.UNPAIRED_RESIZES
+        and "before the fill" in reason.explanation
+    )
 
 
 def test_grown_input_keeps_its_resize_and_fill_as_an_input_mutation() -> None:

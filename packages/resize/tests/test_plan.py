@@ -6,7 +6,7 @@ import pytest
 import torch
 from resize_testing import GraphBuilder, aten, empty_param, fsdp_copy
 
-from loom_resize import ResizeCase, ResizeKind, ResizeRefused, plan_storage_resizes
+from loom_resize import ResizeCase, ResizeRefusalKind, ResizeRefused, plan_storage_resizes
 from loom_resize._plan import STORAGE_NBYTES
 
 
@@ -79,7 +79,7 @@ def test_partial_resize_down_is_refused_naming_the_input() -> None:
     weight.meta[STORAGE_NBYTES] = 64
     b.resize(weight, 32)
     err = _refusal(b.build(weight))
-    assert err.reason.kind is ResizeKind.PARTIAL_RESIZE
+    assert err.reason.kind is ResizeRefusalKind.PARTIAL_RESIZE
     assert "input 'weight'" in err.reason.where and "from 64 to 32 bytes" in str(err)
 
 
@@ -88,7 +88,7 @@ def test_resize_up_to_fewer_bytes_than_needed_is_refused() -> None:
     weight = b.input("weight", empty_param(4, 4))
     b.resize(weight, 16)
     err = _refusal(b.build(weight))
-    assert err.reason.kind is ResizeKind.PARTIAL_RESIZE
+    assert err.reason.kind is ResizeRefusalKind.PARTIAL_RESIZE
     assert "64 bytes the tensor needs" in str(err)
 
 
@@ -101,7 +101,7 @@ def test_resize_of_tensor_subclass_is_refused() -> None:
     weight = b.input("weight", torch.randn(4, 4).as_subclass(_Marked))
     b.resize(weight, 0)
     err = _refusal(b.build(weight))
-    assert err.reason.kind is ResizeKind.TENSOR_SUBCLASS
+    assert err.reason.kind is ResizeRefusalKind.TENSOR_SUBCLASS
     assert "'weight'" in err.reason.where and "_Marked" in err.reason.explanation
 
 
@@ -111,8 +111,18 @@ def test_resize_of_intermediate_is_refused() -> None:
     y = b.call(aten.mul.Tensor, x, 2)
     b.resize(y, 0)
     err = _refusal(b.build(x))
-    assert err.reason.kind is ResizeKind.INTERMEDIATE
+    assert err.reason.kind is ResizeRefusalKind.INTERMEDIATE
     assert f"node {y.name!r}" in err.reason.where and "graph inputs" in str(err)
+
+
+def test_a_refusal_names_the_users_line_as_every_package_does() -> None:
+    b = GraphBuilder()
+    x = b.input("x", torch.randn(4, 4))
+    y = b.call(aten.mul.Tensor, x, 2)
+    resize = b.resize(y, 0)
+    resize.meta["stack_trace"] = '  File "/user/train.py", line 9, in step\n    y.resize_(0)\n'
+    err = _refusal(b.build(x))
+    assert err.reason.where == f"node {y.name!r} at /user/train.py:9 in step"
 
 
 def test_differentiable_fill_is_refused() -> None:
@@ -122,7 +132,7 @@ def test_differentiable_fill_is_refused() -> None:
     b.resize(p, 64)
     b.graph.call_method("copy_", (p, src))
     err = _refusal(b.build(p))
-    assert err.reason.kind is ResizeKind.DIFFERENTIABLE_FILL
+    assert err.reason.kind is ResizeRefusalKind.DIFFERENTIABLE_FILL
     assert "torch.no_grad()" in err.reason.hint
 
 
@@ -139,11 +149,11 @@ def test_fill_under_no_grad_is_accepted() -> None:
 
 
 def test_refusal_kinds_are_told_apart_from_left_alone_reasons() -> None:
-    assert {k for k in ResizeKind if k.is_refusal} == {
-        ResizeKind.PARTIAL_RESIZE,
-        ResizeKind.TENSOR_SUBCLASS,
-        ResizeKind.INTERMEDIATE,
-        ResizeKind.DIFFERENTIABLE_FILL,
+    assert {k for k in ResizeRefusalKind if k.is_refusal} == {
+        ResizeRefusalKind.PARTIAL_RESIZE,
+        ResizeRefusalKind.TENSOR_SUBCLASS,
+        ResizeRefusalKind.INTERMEDIATE,
+        ResizeRefusalKind.DIFFERENTIABLE_FILL,
     }
 
 

@@ -16,7 +16,7 @@ from loom_sidefx import (
     ObjKind,
     Original,
     Roots,
-    SideEffectRefusal,
+    SideEffectRefusalKind,
     SideEffectRefused,
     SideEffects,
     Staged,
@@ -45,7 +45,7 @@ class Slotted:
     __slots__ = ("x",)
 
 
-def refusal(fn: Any, *args: Any) -> SideEffectRefusal:
+def refusal(fn: Any, *args: Any) -> SideEffectRefusalKind:
     with pytest.raises(SideEffectRefused) as info:
         fn(*args)
     return info.value.reason.kind
@@ -104,7 +104,7 @@ def test_pop_returns_the_symbolic_value() -> None:
     ref = se.track_existing([1, 2], GlobalSource("xs"))
     assert concrete(se.list_pop(ref)) == 2
     assert concrete(se.list_pop(ref, 0)) == 1
-    assert refusal(se.list_pop, ref) is SideEffectRefusal.WOULD_RAISE
+    assert refusal(se.list_pop, ref) is SideEffectRefusalKind.WOULD_RAISE
 
 
 def test_dict_views_follow_setitem_pop_and_setdefault() -> None:
@@ -118,7 +118,7 @@ def test_dict_views_follow_setitem_pop_and_setdefault() -> None:
     assert se.dict_setdefault(ref, "d", 4) == 4
     assert [k for k, _ in se.dict_items(ref)] == ["b", "c", "d"]
     assert se.dict_lookup(ref, "a") is Missing.ABSENT
-    assert refusal(se.dict_delitem, ref, "a") is SideEffectRefusal.WOULD_RAISE
+    assert refusal(se.dict_delitem, ref, "a") is SideEffectRefusalKind.WOULD_RAISE
 
 
 def test_true_and_one_are_the_same_dict_key_as_in_cpython() -> None:
@@ -141,7 +141,7 @@ def test_attribute_views_distinguish_unchanged_absent_and_stored() -> None:
     se.del_attr(ref, "a")
     assert se.load_attr(ref, "b") == 2
     assert se.load_attr(ref, "a") is Missing.ABSENT
-    assert refusal(se.del_attr, ref, "a") is SideEffectRefusal.WOULD_RAISE
+    assert refusal(se.del_attr, ref, "a") is SideEffectRefusalKind.WOULD_RAISE
     new = se.track_new(ObjKind.OBJECT, cls=Plain)
     assert se.load_attr(new, "a") is Missing.ABSENT, "a new object has no attribute until stored"
 
@@ -153,58 +153,58 @@ def test_globals_view_follows_stores_and_deletes() -> None:
     assert se.load_global("x") == 1
     se.del_global("x")
     assert se.load_global("x") is Missing.ABSENT
-    assert refusal(se.del_global, "x") is SideEffectRefusal.WOULD_RAISE
+    assert refusal(se.del_global, "x") is SideEffectRefusalKind.WOULD_RAISE
 
 
 def test_mutating_an_object_without_a_source_is_refused() -> None:
     se = SideEffects()
     ref = se.track_existing([], None)
-    assert refusal(se.list_append, ref, 1) is SideEffectRefusal.NO_SOURCE
+    assert refusal(se.list_append, ref, 1) is SideEffectRefusalKind.NO_SOURCE
     obj = se.track_existing(Plain(), None)
-    assert refusal(se.store_attr, obj, "a", 2) is SideEffectRefusal.NO_SOURCE
+    assert refusal(se.store_attr, obj, "a", 2) is SideEffectRefusalKind.NO_SOURCE
 
 
 def test_storing_a_sourceless_object_into_preexisting_state_is_refused_at_build() -> None:
     se = SideEffects()
     xs = se.track_existing([], GlobalSource("xs"))
     se.list_append(xs, se.track_existing(Plain(), None))
-    assert refusal(se.build) is SideEffectRefusal.NO_SOURCE
+    assert refusal(se.build) is SideEffectRefusalKind.NO_SOURCE
 
 
 def test_unhashable_or_object_keys_are_refused() -> None:
     se = SideEffects()
     d = se.track_existing({}, GlobalSource("d"))
-    assert refusal(se.dict_setitem, d, Plain(), 1) is SideEffectRefusal.UNSUPPORTED_KEY
+    assert refusal(se.dict_setitem, d, Plain(), 1) is SideEffectRefusalKind.UNSUPPORTED_KEY
     assert (
         refusal(se.set_add, se.track_new(ObjKind.SET), (1, [2]))
-        is SideEffectRefusal.UNSUPPORTED_KEY
+        is SideEffectRefusalKind.UNSUPPORTED_KEY
     )
     weird = se.track_existing({Plain(): 1}, GlobalSource("w"))
-    assert refusal(se.dict_items, weird) is SideEffectRefusal.UNSUPPORTED_KEY
+    assert refusal(se.dict_items, weird) is SideEffectRefusalKind.UNSUPPORTED_KEY
 
 
 def test_untracked_values_are_refused() -> None:
     se = SideEffects()
     xs = se.track_existing([], GlobalSource("xs"))
-    assert refusal(se.list_append, xs, Plain()) is SideEffectRefusal.UNSUPPORTED_VALUE
-    assert refusal(se.list_append, xs, [1]) is SideEffectRefusal.UNSUPPORTED_VALUE
+    assert refusal(se.list_append, xs, Plain()) is SideEffectRefusalKind.UNSUPPORTED_VALUE
+    assert refusal(se.list_append, xs, [1]) is SideEffectRefusalKind.UNSUPPORTED_VALUE
 
 
 def test_operations_on_the_wrong_kind_are_refused() -> None:
     se = SideEffects()
     d = se.track_existing({}, GlobalSource("d"))
-    assert refusal(se.list_append, d, 1) is SideEffectRefusal.WRONG_KIND
+    assert refusal(se.list_append, d, 1) is SideEffectRefusalKind.WRONG_KIND
     cell = se.track_existing(types.CellType(1), GlobalSource("c"))
-    assert refusal(se.store_attr, cell, "x", 1) is SideEffectRefusal.WRONG_KIND
+    assert refusal(se.store_attr, cell, "x", 1) is SideEffectRefusalKind.WRONG_KIND
 
 
 def test_stores_through_descriptors_or_without_instance_dict_are_refused() -> None:
     se = SideEffects()
     p = se.track_existing(WithProperty(), ArgSource(0))
-    assert refusal(se.store_attr, p, "p", 1) is SideEffectRefusal.DESCRIPTOR_ATTR
+    assert refusal(se.store_attr, p, "p", 1) is SideEffectRefusalKind.DESCRIPTOR_ATTR
     s = se.track_existing(Slotted(), ArgSource(1))
     se.store_attr(s, "x", 1)
-    assert refusal(se.store_attr, s, "y", 1) is SideEffectRefusal.DESCRIPTOR_ATTR
+    assert refusal(se.store_attr, s, "y", 1) is SideEffectRefusalKind.DESCRIPTOR_ATTR
 
 
 def test_new_objects_of_c_classes_are_refused() -> None:
@@ -214,7 +214,7 @@ def test_new_objects_of_c_classes_are_refused() -> None:
     se = SideEffects()
     with pytest.raises(SideEffectRefused) as info:
         se.track_new(ObjKind.OBJECT, cls=MyError)
-    assert info.value.reason.kind is SideEffectRefusal.UNMATERIALIZABLE
+    assert info.value.reason.kind is SideEffectRefusalKind.UNMATERIALIZABLE
     se.track_new(ObjKind.OBJECT, cls=Plain)
 
 
@@ -223,7 +223,7 @@ def test_refs_of_another_builder_are_refused() -> None:
     other.track_existing([], GlobalSource("a"))
     foreign = other.track_new(ObjKind.DICT)
     se = SideEffects()
-    assert refusal(se.list_items, foreign) is SideEffectRefusal.FOREIGN_REF
+    assert refusal(se.list_items, foreign) is SideEffectRefusalKind.FOREIGN_REF
 
 
 def test_refusals_carry_the_current_location() -> None:
@@ -354,4 +354,4 @@ def test_a_staged_value_without_a_resolver_is_refused() -> None:
     se = SideEffects()
     xs = se.track_existing([], GlobalSource("xs"))
     se.list_append(xs, Staged(object()))
-    assert refusal(se.build) is SideEffectRefusal.UNSUPPORTED_VALUE
+    assert refusal(se.build) is SideEffectRefusalKind.UNSUPPORTED_VALUE

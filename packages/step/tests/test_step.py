@@ -21,13 +21,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import loom_cudagraph
 import loom_step
-from loom_cudagraph import SkipReason
+from loom_cudagraph import CudagraphRefusalKind
 from loom_step import CapturedStep, StepOptions, StepState
 from loom_step._guard import ANY_TENSOR, GuardKind, StepGuard, StepProbe
 from loom_step._recording import Recording, protect_outputs
 from loom_step._refusals import (
     SYNC_WARNING,
-    StepRefusal,
+    StepRefusalKind,
     collect_syncs,
     optimizer_refusals,
     scaler_refusals,
@@ -92,7 +92,7 @@ def test_uncaptured_step_matches_eager_over_several_steps(make_opt: Any) -> None
     stats = step.stats()
     assert stats.uncaptured_calls == 6 and stats.replays == 0 and not stats.captured
     if not torch.cuda.is_available():
-        assert stats.refusal is not None and stats.refusal.kind is StepRefusal.NO_CUDA
+        assert stats.refusal is not None and stats.refusal.kind is StepRefusalKind.NO_CUDA
 
 
 def test_returns_callable_with_the_steps_name_and_passes_kwargs_through() -> None:
@@ -119,7 +119,7 @@ def test_no_cuda_reason_is_told_once_and_never_raises_under_or_error() -> None:
         return
     assert [e.kind for e in events] == ["refused"]
     reason = events[0].refusal
-    assert reason is not None and reason.kind is StepRefusal.NO_CUDA and not reason.cuda_work
+    assert reason is not None and reason.kind is StepRefusalKind.NO_CUDA and not reason.cuda_work
     assert f"{HERE}:" in reason.where and "train_step" in events[0].message
     assert step.stats().state is StepState.UNCAPTURED
 
@@ -331,7 +331,7 @@ def test_non_capturable_adamw_is_refused_at_the_users_step_line() -> None:
     opt = torch.optim.AdamW(model.parameters(), capturable=False)
     fn = _make_step(model, opt)
     (reason,) = optimizer_refusals(fn, find_targets(fn), device_type="cpu")
-    assert reason.kind is StepRefusal.OPTIMIZER_NOT_CAPTURABLE
+    assert reason.kind is StepRefusalKind.OPTIMIZER_NOT_CAPTURABLE
     assert reason.where.startswith(f"{HERE}:{_line_of(_make_step, 'opt.step(')} in train_step")
     assert "capturable=True" in reason.hint and reason.op == "opt.step()"
     capturable = torch.optim.AdamW(model.parameters(), capturable=True)
@@ -364,7 +364,7 @@ def test_enabled_grad_scaler_is_refused() -> None:
         return loss
 
     (reason,) = scaler_refusals(amp_step, find_targets(amp_step))
-    assert reason.kind is StepRefusal.GRAD_SCALER
+    assert reason.kind is StepRefusalKind.GRAD_SCALER
     assert reason.where.startswith(f"{HERE}:{_line_of(amp_step, 'scaler.step(')} in amp_step")
 
 
@@ -375,7 +375,7 @@ def test_sync_refusal_names_the_users_line_and_op() -> None:
 
     stack = step_with_item(torch.ones(1))
     reason = sync_refusal(stack)
-    assert reason is not None and reason.kind is StepRefusal.SYNC_OP
+    assert reason is not None and reason.kind is StepRefusalKind.SYNC_OP
     line = _line_of(step_with_item, "stack = traceback.extract_stack()")
     assert reason.where == f"{HERE}:{line} in step_with_item"
     assert reason.op.startswith("stack = traceback.extract_stack()")
@@ -417,7 +417,7 @@ def test_sync_from_compile_machinery_is_not_the_steps() -> None:
 
 def test_or_error_message_names_the_step_and_the_switch() -> None:
     reason = loom_step.StepUnsupported(
-        StepRefusal.SYNC_OP, "train.py:3 in step", "waits", "keep .item() out", "loss.item()"
+        StepRefusalKind.SYNC_OP, "train.py:3 in step", "waits", "keep .item() out", "loss.item()"
     )
     err = loom_step.CaptureStepError(reason, "train_step")
     assert (
@@ -427,7 +427,7 @@ def test_or_error_message_names_the_step_and_the_switch() -> None:
     # The text is the shared refusal format (loom_sidefx.Refusal), the op leading the why.
     from loom_sidefx import Refusal as Base
 
-    plain = loom_step.StepUnsupported(StepRefusal.SYNC_OP, "train.py:3 in step", "waits", "h")
+    plain = loom_step.StepUnsupported(StepRefusalKind.SYNC_OP, "train.py:3 in step", "waits", "h")
     assert str(plain) == Base.__str__(plain) == "[sync_op] train.py:3 in step: waits (hint: h)"
     assert "TORCHLOOM_CUDAGRAPH_OR_ERROR" in str(err)
     from loom_sidefx import Refusal, RefusalError
@@ -494,8 +494,10 @@ def test_every_refusal_and_guard_kind_is_documented() -> None:
     from pathlib import Path
 
     text = (Path(HERE).resolve().parents[3] / "docs" / "capture_step.md").read_text()
-    missing = [k.name for k in StepRefusal if f"`{k.name}`" not in text]
-    missing += [k.name for k in (SkipReason.CAPTURE_FAILED, SkipReason.RECORDING_BUDGET)]
+    missing = [k.name for k in StepRefusalKind if f"`{k.name}`" not in text]
+    missing += [
+        k.name for k in (CudagraphRefusalKind.CAPTURE_FAILED, CudagraphRefusalKind.RECORDING_BUDGET)
+    ]
     missing = [k for k in missing if f"`{k}`" not in text]
     missing += [k.value for k in GuardKind if f"`{k.value}`" not in text]
     assert not missing, f"docs/capture_step.md lacks {missing}"
@@ -606,7 +608,7 @@ def test_host_float_lr_every_call_spends_the_budget_once() -> None:
     budget = [e for e in events if e.kind == "budget"]
     assert len(budget) == 1 and "['lr']" in budget[0].message
     assert budget[0].refusal is not None
-    assert budget[0].refusal.kind is SkipReason.RECORDING_BUDGET
+    assert budget[0].refusal.kind is CudagraphRefusalKind.RECORDING_BUDGET
     assert step.stats().budget_skips == 10 - 3 - 2
 
 
@@ -685,7 +687,7 @@ def test_host_python_state_changed_inside_the_step_is_refused() -> None:
     _check_run(eager, step, _batches(6))
     _same(m1, m2)
     reason = step.stats().refusal
-    assert reason is not None and reason.kind is StepRefusal.PYTHON_STATE
+    assert reason is not None and reason.kind is StepRefusalKind.PYTHON_STATE
     assert "['lr']" in reason.explanation and device.captures == 0
 
 
@@ -698,7 +700,7 @@ def test_host_python_output_is_refused_after_its_call() -> None:
     _check_run(eager, step, _batches(6))
     _same(m1, m2)
     reason = step.stats().refusal
-    assert reason is not None and reason.kind is StepRefusal.HOST_OUTPUT
+    assert reason is not None and reason.kind is StepRefusalKind.HOST_OUTPUT
 
 
 def test_host_capture_failure_restores_gradients_and_runs_eagerly() -> None:
@@ -706,7 +708,7 @@ def test_host_capture_failure_restores_gradients_and_runs_eagerly() -> None:
     _check_run(eager, step, _batches(6))
     _same(m1, m2)
     reason = step.stats().refusal
-    assert reason is not None and reason.kind is SkipReason.CAPTURE_FAILED
+    assert reason is not None and reason.kind is CudagraphRefusalKind.CAPTURE_FAILED
     assert "operation not permitted" in reason.explanation
 
 
@@ -725,7 +727,7 @@ def test_host_sync_in_warm_up_names_the_refusal_when_the_capture_fails() -> None
     _check_run(eager, step, _batches(6))
     _same(m1, m2)
     reason = step.stats().refusal
-    assert reason is not None and reason.kind is StepRefusal.SYNC_OP and device.captures == 1
+    assert reason is not None and reason.kind is StepRefusalKind.SYNC_OP and device.captures == 1
     assert reason.where.startswith(f"{HERE}:") and "warm_up" in reason.where
     assert reason.op.startswith("warnings.warn(SYNC_WARNING")
     _, step, _, _, _ = _host_pair(fail=True, warm_sync=True, or_error=True)
@@ -953,5 +955,5 @@ def test_host_dropped_step_or_refused_recording_frees_its_graph_and_buffers() ->
         for x, y in _batches(5):
             refused(x, y)
         reason = refused.stats().refusal
-        assert reason is not None and reason.kind is StepRefusal.HOST_OUTPUT
+        assert reason is not None and reason.kind is StepRefusalKind.HOST_OUTPUT
         assert device.graphs[1]() is None

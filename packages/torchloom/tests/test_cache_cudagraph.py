@@ -70,8 +70,8 @@ def test_plan_round_trips_with_every_decision_and_reason() -> None:
     finally:
         loom_cudagraph.unmark_non_capturable(torch.ops.aten.sin)
     kinds = {r.kind for s in plan.segments for r in s.reasons}
-    assert loom_cudagraph.SkipReason.USER_MARKED in kinds
-    assert loom_cudagraph.SkipReason.DATA_DEPENDENT_SHAPE in kinds
+    assert loom_cudagraph.CudagraphRefusalKind.USER_MARKED in kinds
+    assert loom_cudagraph.CudagraphRefusalKind.DATA_DEPENDENT_SHAPE in kinds
     assert plan.captured_segments
 
     again = loom_cudagraph.PartitionPlan.from_json(plan.to_json())

@@ -14,6 +14,8 @@ import torch
 import loom_cudagraph
 import torchloom
 from torchloom import Pipeline
+from torchloom._cudagraph import PlanOutcome, StoredPlan
+from torchloom._values import GraphKind
 
 CG = {"codegen": "eager", "cudagraphs": True}
 
@@ -247,7 +249,7 @@ def test_cache_hit_reproduces_the_plan_and_its_skips(
     replays = host_stage.replays
     warm = compile_and_train()
     assert "stored" in cold[0] and "hit" in warm[0]
-    assert cold[1] == warm[1] == {loom_cudagraph.SkipReason.USER_MARKED: 1}
+    assert cold[1] == warm[1] == {loom_cudagraph.CudagraphRefusalKind.USER_MARKED: 1}
     assert cold[2] == warm[2]
     assert host_stage.replays > replays  # the cached graph runs captured segments
 
@@ -258,5 +260,14 @@ def test_graph_with_nothing_capturable_still_reports_its_skip(
     compiled = torch.compile(lambda x: x.sin(), backend=_host(host_stage), options=CG)
     x = torch.randn(3)
     torch.testing.assert_close(compiled(x), x.sin())
-    assert loom_cudagraph.skip_counts() == {loom_cudagraph.SkipReason.USER_MARKED: 1}
+    assert loom_cudagraph.skip_counts() == {loom_cudagraph.CudagraphRefusalKind.USER_MARKED: 1}
     assert host_stage.captures == 0
+
+
+@pytest.mark.parametrize("outcome", list(PlanOutcome))
+def test_a_stored_plan_keeps_its_outcome_through_the_cache_payload(outcome: PlanOutcome) -> None:
+    stored = StoredPlan(GraphKind.BACKWARD, outcome, '{"graph": "g"}')
+    payload = stored.to_payload()
+    # The payload is plain strings (the artifact stores it as data, not as enum members).
+    assert dict(payload) == {"kind": "backward", "outcome": outcome.value, "plan": '{"graph": "g"}'}
+    assert StoredPlan.from_payload(payload) == stored

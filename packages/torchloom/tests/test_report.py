@@ -62,7 +62,7 @@ def test_plans_are_read_back_from_the_report_as_typed_values(host: Pipeline) -> 
     skip = next(e for e in record.entries if e.kind == "skip")
     refusal = skip.refusal
     assert isinstance(refusal, loom_cudagraph.Unsupported)
-    assert refusal.kind is loom_cudagraph.SkipReason.USER_MARKED
+    assert refusal.kind is loom_cudagraph.CudagraphRefusalKind.USER_MARKED
     assert refusal in forward.skips()
     assert str(refusal) in torchloom.report().format()
 

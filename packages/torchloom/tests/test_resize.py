@@ -99,7 +99,7 @@ def test_partial_resize_falls_back_to_eager_with_the_reason() -> None:
     assert "from 64 to 32 bytes" in record.fallback and "test_resize.py" in record.fallback
     # the package's own refusal is kept as typed data, not only as text
     assert record.refusal is not None and isinstance(record.refusal.cause, loom_resize.Unsupported)
-    assert record.refusal.cause.kind is loom_resize.ResizeKind.PARTIAL_RESIZE
+    assert record.refusal.cause.kind is loom_resize.ResizeRefusalKind.PARTIAL_RESIZE
     assert [e.get("kind_") for e in torchloom.report().entries("resize")] == ["partial_resize"]
 
 

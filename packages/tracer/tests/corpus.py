@@ -4,7 +4,7 @@ Every case is a ``build()`` that returns a fresh ``Setup`` (a hook, its
 arguments and the objects it may touch), so the eager run and the traced run
 each work on their own copy of the state. ``mutate`` (optional) changes one
 watched value: the traced hook's guards must then fail. Refused cases name
-the expected ``TraceRefusal``; the offending line is marked ``# <- refused``.
+the expected ``TraceRefusalKind``; the offending line is marked ``# <- refused``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loom_tracer import TraceRefusal
+from loom_tracer import TraceRefusalKind
 
 # Globals the hooks read; every case binds fresh ones with ``with_globals``.
 STATS: Any = None
@@ -49,7 +49,7 @@ class Setup:
 class Case:
     name: str
     build: Callable[[], Setup]
-    refusal: TraceRefusal | None = None
+    refusal: TraceRefusalKind | None = None
     mutate: Callable[[Setup], None] | None = None
 
 
@@ -57,7 +57,7 @@ CASES: list[Case] = []
 
 
 def case(
-    refusal: TraceRefusal | None = None, mutate: Callable[[Setup], None] | None = None
+    refusal: TraceRefusalKind | None = None, mutate: Callable[[Setup], None] | None = None
 ) -> Callable[[Callable[[], Setup]], Callable[[], Setup]]:
     def register(build: Callable[[], Setup]) -> Callable[[], Setup]:
         CASES.append(Case(build.__name__, build, refusal, mutate))
@@ -1130,7 +1130,7 @@ def _tensor_branch(t):
     return -t
 
 
-@case(refusal=TraceRefusal.TENSOR_VALUE_CONTROL_FLOW)
+@case(refusal=TraceRefusalKind.TENSOR_VALUE_CONTROL_FLOW)
 def refuses_branch_on_tensor_value() -> Setup:
     return Setup(with_globals(_tensor_branch), (t43(),))
 
@@ -1140,7 +1140,7 @@ def _item(t):
     return t / v
 
 
-@case(refusal=TraceRefusal.DATA_DEPENDENT_OP)
+@case(refusal=TraceRefusalKind.DATA_DEPENDENT_OP)
 def refuses_item() -> Setup:
     return Setup(with_globals(_item), (t43(),))
 
@@ -1150,7 +1150,7 @@ def _print(t):
     return t
 
 
-@case(refusal=TraceRefusal.UNSUPPORTED_SIDE_EFFECT)
+@case(refusal=TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT)
 def refuses_print() -> Setup:
     return Setup(with_globals(_print), (t43(),))
 
@@ -1160,7 +1160,7 @@ def _mutate_input(t):
     return t
 
 
-@case(refusal=TraceRefusal.INPUT_MUTATION)
+@case(refusal=TraceRefusalKind.INPUT_MUTATION)
 def refuses_inplace_on_input() -> Setup:
     return Setup(with_globals(_mutate_input), (t43(),))
 
@@ -1171,7 +1171,7 @@ def _always_raises(t):
     return t
 
 
-@case(refusal=TraceRefusal.HOOK_RAISES)
+@case(refusal=TraceRefusalKind.HOOK_RAISES)
 def refuses_hook_that_raises_for_these_inputs() -> Setup:
     return Setup(with_globals(_always_raises), (t43(),))
 
@@ -1186,7 +1186,7 @@ def _recursive_hook(t):
     return _recurse(t, 100)
 
 
-@case(refusal=TraceRefusal.INLINE_DEPTH)
+@case(refusal=TraceRefusalKind.INLINE_DEPTH)
 def refuses_deep_recursion() -> Setup:
     return Setup(with_globals(_recursive_hook), (t43(),))
 
@@ -1196,7 +1196,7 @@ def _escaping(t):
     return t
 
 
-@case(refusal=TraceRefusal.ESCAPING_FUNCTION)
+@case(refusal=TraceRefusalKind.ESCAPING_FUNCTION)
 def refuses_function_escaping_into_state() -> Setup:
     return Setup(with_globals(_escaping, HOLDER=[]), (t43(),))
 
@@ -1211,7 +1211,7 @@ def _closure_escapes(t):
     return t
 
 
-@case(refusal=TraceRefusal.ESCAPING_FUNCTION)
+@case(refusal=TraceRefusalKind.ESCAPING_FUNCTION)
 def refuses_closure_over_a_new_cell_escaping_into_a_global_list() -> Setup:
     return Setup(with_globals(_closure_escapes, HOLDER=[]), (t43(),))
 
@@ -1228,7 +1228,7 @@ def _make_callback_holder() -> Callable[..., Any]:
     return hook
 
 
-@case(refusal=TraceRefusal.ESCAPING_FUNCTION)
+@case(refusal=TraceRefusalKind.ESCAPING_FUNCTION)
 def refuses_closure_over_a_new_cell_stored_into_a_preexisting_cell() -> Setup:
     hook = _make_callback_holder()
     return Setup(hook, (t43(),), {"cells": hook.__closure__})
@@ -1239,7 +1239,7 @@ def _new_object(t):
     return t
 
 
-@case(refusal=TraceRefusal.UNSUPPORTED_CALL)
+@case(refusal=TraceRefusalKind.UNSUPPORTED_CALL)
 def refuses_creating_user_objects() -> Setup:
     return Setup(with_globals(_new_object), (t43(),))
 
@@ -1250,7 +1250,7 @@ def _import_inside(t):
     return t * math.pi
 
 
-@case(refusal=TraceRefusal.UNSUPPORTED_OPCODE)
+@case(refusal=TraceRefusalKind.UNSUPPORTED_OPCODE)
 def refuses_import_statement() -> Setup:
     return Setup(with_globals(_import_inside), (t43(),))
 
@@ -1259,7 +1259,7 @@ def _nonzero(t):
     return t.nonzero()  # <- refused
 
 
-@case(refusal=TraceRefusal.DATA_DEPENDENT_OP)
+@case(refusal=TraceRefusalKind.DATA_DEPENDENT_OP)
 def refuses_data_dependent_shape() -> Setup:
     return Setup(with_globals(_nonzero), (t43(),))
 
@@ -1268,7 +1268,7 @@ def _module_global(t):
     return LINEAR(t)  # <- refused
 
 
-@case(refusal=TraceRefusal.UNSUPPORTED_VALUE)
+@case(refusal=TraceRefusalKind.UNSUPPORTED_VALUE)
 def refuses_nn_module_in_hook() -> Setup:
     return Setup(with_globals(_module_global, LINEAR=torch.nn.Linear(3, 3)), (t43(),))
 
@@ -1277,7 +1277,7 @@ def _grad_attr(t):
     return t.grad  # <- refused
 
 
-@case(refusal=TraceRefusal.UNSUPPORTED_ATTRIBUTE)
+@case(refusal=TraceRefusalKind.UNSUPPORTED_ATTRIBUTE)
 def refuses_tensor_grad_attribute() -> Setup:
     return Setup(with_globals(_grad_attr), (t43(),))
 
@@ -1286,7 +1286,7 @@ def _shape_error(t):
     return t + torch.ones(5)  # <- refused
 
 
-@case(refusal=TraceRefusal.TORCH_ERROR)
+@case(refusal=TraceRefusalKind.TORCH_ERROR)
 def refuses_torch_error_on_fake_tensors() -> Setup:
     return Setup(with_globals(_shape_error), (t43(),))
 
@@ -1299,7 +1299,7 @@ def _uses_generator(t):
     return list(_gen_helper(t))  # <- refused
 
 
-@case(refusal=TraceRefusal.UNSUPPORTED_CALL)
+@case(refusal=TraceRefusalKind.UNSUPPORTED_CALL)
 def refuses_generators() -> Setup:
     return Setup(with_globals(_uses_generator), (t43(),))
 
@@ -1310,6 +1310,6 @@ def _try_except(t):
     return t
 
 
-@case(refusal=TraceRefusal.UNSUPPORTED_SIDE_EFFECT)
+@case(refusal=TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT)
 def refuses_open_and_other_io() -> Setup:
     return Setup(with_globals(_try_except), (t43(),))

@@ -23,7 +23,7 @@ from loom_tracer import (
     ReplayPlan,
     TensorMeta,
     TracedHook,
-    TraceRefusal,
+    TraceRefusalKind,
     trace_hook,
 )
 from loom_tracer._frame import HANDLERS, handles
@@ -88,7 +88,7 @@ def test_an_opcode_without_handler_is_refused_with_its_line() -> None:
 
     result = trace_hook(hook, (torch.ones(2),))
     assert isinstance(result, HookUnsupported)
-    assert result.kind is TraceRefusal.UNSUPPORTED_OPCODE
+    assert result.kind is TraceRefusalKind.UNSUPPORTED_OPCODE
     assert "IMPORT_NAME" in result.explanation
     assert result.where == f"test_tracer_parts.py:{hook.__code__.co_firstlineno + 1}"
 
@@ -289,7 +289,7 @@ def test_python_version_checks_live_only_in_pyversion() -> None:
 
 def test_every_refusal_kind_is_documented() -> None:
     doc = (ROOT / "docs" / "tracer.md").read_text()
-    missing = [k.name for k in TraceRefusal if f"`{k.name}`" not in doc]
+    missing = [k.name for k in TraceRefusalKind if f"`{k.name}`" not in doc]
     assert not missing
 
 
@@ -307,7 +307,7 @@ def test_attribute_store_on_a_list_is_refused_not_replayed() -> None:
     exec("def hook(t):\n    A.note = 1\n    return t\n", ns)
     result = trace_hook(ns["hook"], (torch.ones(1),))
     assert isinstance(result, HookUnsupported)
-    assert result.kind is TraceRefusal.UNSUPPORTED_SIDE_EFFECT
+    assert result.kind is TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT
 
 
 def test_operator_setitem_on_a_python_list_is_refused() -> None:
@@ -317,7 +317,7 @@ def test_operator_setitem_on_a_python_list_is_refused() -> None:
     exec("def hook(t):\n    operator.setitem(A, 0, 5)\n    return t\n", ns)
     result = trace_hook(ns["hook"], (torch.ones(1),))
     assert isinstance(result, HookUnsupported)
-    assert result.kind is TraceRefusal.UNSUPPORTED_CALL
+    assert result.kind is TraceRefusalKind.UNSUPPORTED_CALL
 
 
 def _symbolic_fake(*sizes: int) -> torch.Tensor:
@@ -361,7 +361,7 @@ def test_branch_on_a_symbolic_size_is_refused() -> None:
 
     result = trace_hook(pack, (_symbolic_fake(8, 4),))
     assert isinstance(result, HookUnsupported)
-    assert result.kind is TraceRefusal.UNSUPPORTED_VALUE
+    assert result.kind is TraceRefusalKind.UNSUPPORTED_VALUE
     assert "symbolic size" in result.explanation
 
 
@@ -371,7 +371,7 @@ def test_isinstance_of_a_symbolic_size_is_refused_not_answered_wrongly() -> None
 
     result = trace_hook(pack, (_symbolic_fake(8, 4),))
     assert isinstance(result, HookUnsupported)
-    assert result.kind is TraceRefusal.UNSUPPORTED_VALUE
+    assert result.kind is TraceRefusalKind.UNSUPPORTED_VALUE
 
 
 def test_storing_a_symbolic_size_in_python_state_is_refused() -> None:
@@ -383,7 +383,7 @@ def test_storing_a_symbolic_size_in_python_state_is_refused() -> None:
 
     result = trace_hook(pack, (_symbolic_fake(8, 4),))
     assert isinstance(result, HookUnsupported)
-    assert result.kind is TraceRefusal.UNSUPPORTED_SIDE_EFFECT
+    assert result.kind is TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT
 
 
 class _SizedList(list):  # type: ignore[type-arg]
@@ -396,7 +396,7 @@ def test_container_subclass_overriding_len_is_refused() -> None:
     exec("def hook(t):\n    return t * len(L)\n", ns)
     result = trace_hook(ns["hook"], (torch.ones(1),))
     assert isinstance(result, HookUnsupported)
-    assert result.kind is TraceRefusal.UNSUPPORTED_VALUE
+    assert result.kind is TraceRefusalKind.UNSUPPORTED_VALUE
     assert "__len__" in result.explanation
 
 
@@ -484,7 +484,7 @@ def test_a_closure_over_a_new_cell_escaping_into_state_is_refused_naming_the_cel
     hook = corpus.with_globals(corpus._closure_escapes, HOLDER=holder)
     result = trace_hook(hook, (torch.ones(2),))
     assert isinstance(result, HookUnsupported)
-    assert result.kind is TraceRefusal.ESCAPING_FUNCTION
+    assert result.kind is TraceRefusalKind.ESCAPING_FUNCTION
     assert "'rescale'" in result.explanation and "(scale)" in result.explanation
     assert holder == [], "tracing performs no side effect"
 
@@ -500,7 +500,7 @@ def test_reading_an_empty_cell_made_by_the_hook_is_refused_as_the_hook_raising()
 
     result = trace_hook(hook, (torch.ones(2),))
     assert isinstance(result, HookUnsupported)
-    assert result.kind is TraceRefusal.HOOK_RAISES
+    assert result.kind is TraceRefusalKind.HOOK_RAISES
     assert "'late' referenced before assignment" in result.explanation
     with pytest.raises(NameError):
         hook(torch.ones(2))

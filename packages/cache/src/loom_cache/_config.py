@@ -315,11 +315,6 @@ def _resolve(items: tuple[tuple[str, str | None], ...]) -> CacheConfig:
     return config
 
 
-def max_bytes_from_env() -> int:
-    """``TORCHLOOM_CACHE_MAX_BYTES`` (default 2 GiB), as :meth:`CacheConfig.from_env` reads it."""
-    return CacheConfig.from_env().max_bytes
-
-
 def timeout_from_env() -> float:
     """``TORCHLOOM_REMOTE_CACHE_TIMEOUT``, as :meth:`CacheConfig.from_env` reads it."""
     return CacheConfig.from_env().remote_timeout_s

@@ -426,12 +426,6 @@ class LocalStore:
         with self._scanned() as files:
             return len(files), sum(size for _, size, _, _ in files)
 
-    def _files(self) -> Iterator[Path]:
-        with self._scanned() as files:
-            names = [name for _, _, _, name in files]
-        for name in names:
-            yield self._entries / name[:2] / name
-
     # -- the listing index --------------------------------------------------
     def _index_append(self, entry: Entry) -> None:
         """One line per put (digest, created, program), so listing reads no entry."""

@@ -35,10 +35,6 @@ PREFIX: Final = "torchloom:v1:"
 DEFAULT_TTL_S: Final = 14 * 24 * 3600
 
 
-def remote_url_from_env() -> str | None:
-    return CacheConfig.from_env().remote_url
-
-
 class Deadline(threading.local):
     """The monotonic time the current call must end by (per thread), or None."""
 

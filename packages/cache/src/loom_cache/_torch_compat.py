@@ -14,12 +14,6 @@ from typing import Any
 import torch
 
 
-def is_fake_tensor(value: object) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(value, FakeTensor)
-
-
 def shape_env_of(value: object) -> Any | None:
     """The ``ShapeEnv`` behind a fake tensor or a SymInt/SymFloat, if any."""
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):

@@ -4,7 +4,7 @@ from loom_sidefx import Guard, GuardKind, compile_guards
 
 from ._frame import FrameCells
 from ._model import Cell, CellCheckpoint, CellModel, GuardPolicy, default_guard_policy
-from ._refusals import CellRefusal, CellRefused, Unsupported
+from ._refusals import CellRefusalKind, CellRefused, Unsupported
 
 __version__ = "0.1.0"
 
@@ -12,7 +12,7 @@ __all__ = [
     "Cell",
     "CellCheckpoint",
     "CellModel",
-    "CellRefusal",
+    "CellRefusalKind",
     "CellRefused",
     "FrameCells",
     "Guard",

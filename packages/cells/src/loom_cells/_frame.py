@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from loom_sidefx import Missing, Ref, Value
 
 from ._model import Cell, CellModel
-from ._refusals import CellRefusal, refuse
+from ._refusals import CellRefusalKind, refuse
 
 __all__ = ["FrameCells"]
 
@@ -38,7 +38,7 @@ class FrameCells:
         if len(closure) != len(code.co_freevars):
             refuse(
                 model.side_effects.where,
-                CellRefusal.NOT_A_CELL,
+                CellRefusalKind.NOT_A_CELL,
                 f"{code.co_name} has free variables {code.co_freevars}, got {len(closure)} cells",
             )
         self.model = model
@@ -68,7 +68,7 @@ class FrameCells:
         if cell is None:
             refuse(
                 self.model.side_effects.where,
-                CellRefusal.UNKNOWN_NAME,
+                CellRefusalKind.UNKNOWN_NAME,
                 f"{self.code.co_name} has no cell or free variable {name!r} (yet)",
             )
         return cell

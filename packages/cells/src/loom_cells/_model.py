@@ -40,7 +40,7 @@ from loom_sidefx import (
     is_constant,
 )
 
-from ._refusals import CellRefusal, refuse
+from ._refusals import CellRefusalKind, refuse
 
 __all__ = ["Cell", "CellCheckpoint", "CellModel", "GuardPolicy", "default_guard_policy"]
 
@@ -110,7 +110,7 @@ class CellModel:
         ``source`` reaches the *cell* (e.g. ``ClosureSource(i, name)``).
         """
         if not isinstance(cell, types.CellType):
-            self._refuse(CellRefusal.NOT_A_CELL, f"{type(cell).__qualname__} is not a cell")
+            self._refuse(CellRefusalKind.NOT_A_CELL, f"{type(cell).__qualname__} is not a cell")
         ref = self.side_effects.track_existing(cell, source)
         model = self._cells.get(ref)
         if model is None:
@@ -142,7 +142,7 @@ class CellModel:
         """The model of a cell ref (e.g. from a new function's closure spec)."""
         cell = self._cells.get(ref)
         if cell is None:
-            self._refuse(CellRefusal.NOT_A_CELL, f"{ref} is not a cell of this model")
+            self._refuse(CellRefusalKind.NOT_A_CELL, f"{ref} is not a cell of this model")
         return cell
 
     # --------------------------------------------------------- reads, writes
@@ -162,7 +162,7 @@ class CellModel:
         value = self.side_effects.load_cell(cell.ref)
         if value is Missing.ABSENT:
             self._refuse(
-                CellRefusal.EMPTY_CELL,
+                CellRefusalKind.EMPTY_CELL,
                 f"free variable {cell.name!r} referenced before assignment",
                 "assign the variable before the hook reads it",
             )
@@ -219,7 +219,7 @@ class CellModel:
         """``MAKE_FUNCTION`` with a closure: a new function capturing these cells."""
         if len(closure) != len(code.co_freevars):
             self._refuse(
-                CellRefusal.NOT_A_CELL,
+                CellRefusalKind.NOT_A_CELL,
                 f"{code.co_name} has {len(code.co_freevars)} free variables, got {len(closure)} cells",
             )
         return self.side_effects.track_new_function(
@@ -271,7 +271,7 @@ class CellModel:
             return None
         if src is None:
             self._refuse(
-                CellRefusal.NO_SOURCE,
+                CellRefusalKind.NO_SOURCE,
                 f"read of closure variable {cell.name!r} of a function with no source cannot be guarded",
                 "pass the function to the hook, or reach it from a global",
             )
@@ -292,10 +292,10 @@ class CellModel:
     def _require_source(self, cell: Cell, what: str) -> None:
         if not cell.is_new and self.side_effects.source_of(cell.ref) is None:
             self._refuse(
-                CellRefusal.NO_SOURCE,
+                CellRefusalKind.NO_SOURCE,
                 f"{what} closure variable {cell.name!r} of a function with no source",
                 "pass the function to the hook, or reach it from a global",
             )
 
-    def _refuse(self, kind: CellRefusal, explanation: str, hint: str = "") -> NoReturn:
+    def _refuse(self, kind: CellRefusalKind, explanation: str, hint: str = "") -> NoReturn:
         refuse(self.side_effects.where, kind, explanation, hint)

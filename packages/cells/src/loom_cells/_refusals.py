@@ -2,7 +2,7 @@
 
 Reads and writes of closure cells that cannot be guarded or replayed soundly
 are refused with an :class:`Unsupported` value (a ``loom_sidefx.Refusal``) whose ``kind`` comes from
-:class:`CellRefusal`, raised wrapped in :class:`CellRefused`. Every kind is
+:class:`CellRefusalKind`, raised wrapped in :class:`CellRefused`. Every kind is
 documented in ``docs/cells.md`` (a test keeps the two in sync).
 """
 
@@ -13,10 +13,10 @@ from typing import NoReturn
 
 from loom_sidefx import Refusal, RefusalError
 
-__all__ = ["CellRefusal", "CellRefused", "Unsupported", "refuse"]
+__all__ = ["CellRefusalKind", "CellRefused", "Unsupported", "refuse"]
 
 
-class CellRefusal(enum.Enum):
+class CellRefusalKind(enum.Enum):
     """Why a cell operation is refused."""
 
     #: A pre-existing cell without a source was read with a guard wanted, or
@@ -32,7 +32,7 @@ class CellRefusal(enum.Enum):
     NOT_A_CELL = "not_a_cell"
 
 
-class Unsupported(Refusal[CellRefusal]):
+class Unsupported(Refusal[CellRefusalKind]):
     """A refusal of the cell model (the shared :class:`loom_sidefx.Refusal` base)."""
 
     __slots__ = ()
@@ -44,6 +44,6 @@ class CellRefused(RefusalError):
     reason: Unsupported
 
 
-def refuse(where: str, kind: CellRefusal, explanation: str, hint: str = "") -> NoReturn:
+def refuse(where: str, kind: CellRefusalKind, explanation: str, hint: str = "") -> NoReturn:
     """Raise :class:`CellRefused` for ``kind``."""
     raise CellRefused(Unsupported(kind, where, explanation, hint))

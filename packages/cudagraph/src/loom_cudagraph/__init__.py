@@ -12,7 +12,7 @@ from loom_cudagraph._classify import classify_node, source_location
 from loom_cudagraph._options import OR_ERROR_ENV, CudagraphOptions
 from loom_cudagraph._plan import PartitionPlan, PlanError, SegmentPlan, plan_graph
 from loom_cudagraph._pool import MemoryPool
-from loom_cudagraph._reasons import CudagraphError, SkipReason, Unsupported
+from loom_cudagraph._reasons import CudagraphError, CudagraphRefusalKind, Unsupported
 from loom_cudagraph._registry import (
     OpRule,
     mark_non_capturable,
@@ -42,6 +42,7 @@ __all__ = [
     "CudaCapturer",
     "CudagraphError",
     "CudagraphOptions",
+    "CudagraphRefusalKind",
     "CudagraphRuntime",
     "HostCapturer",
     "MemoryPool",
@@ -52,7 +53,6 @@ __all__ = [
     "SegmentModule",
     "SegmentPlan",
     "SegmentStats",
-    "SkipReason",
     "Unsupported",
     "__version__",
     "assemble_runtime",

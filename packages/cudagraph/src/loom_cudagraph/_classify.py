@@ -9,16 +9,16 @@ Tensors on the ``meta`` device do no work and never block capture.
 from __future__ import annotations
 
 import operator
-import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx
 
-from loom_cudagraph._reasons import SkipReason, Unsupported
+from loom_cudagraph._reasons import CudagraphRefusalKind, Unsupported
 from loom_cudagraph._registry import lookup_rule, op_name
 from loom_cudagraph._torch_compat import OpOverload, free_unbacked_symbols
+from loom_sidefx import user_frame
 
 __all__ = ["classify_node", "first_use_source", "node_devices", "source_location", "touches_device"]
 
@@ -33,20 +33,14 @@ _COPY_OPS = frozenset(
         "aten._foreach_copy_.default",
     }
 )
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
 
 
 def source_location(node: torch.fx.Node) -> str:
-    """The user's source line a node came from, ``file:line in fn: code``, else ``node <name>``."""
+    """The user's source line a node came from (``file:line in fn``, as
+    :func:`loom_sidefx.user_frame` reads it), else ``node <name>``."""
     trace = node.meta.get("stack_trace")
-    if isinstance(trace, str) and trace:
-        frames = list(_FRAME.finditer(trace))
-        if frames:
-            last = frames[-1]
-            code = trace[last.end() :].strip().splitlines()
-            text = f"{last['file']}:{last['line']} in {last['fn']}"
-            return f"{text}: {code[0].strip()}" if code else text
-    return f"node {node.name}"
+    frame = user_frame(trace) if isinstance(trace, str) else None
+    return f"node {node.name}" if frame is None else str(frame)
 
 
 def first_use_source(node: torch.fx.Node) -> str:
@@ -121,7 +115,7 @@ def classify_node(node: torch.fx.Node, device: torch.device | None) -> Unsupport
     tests pass ``cpu`` to plan a host graph for :class:`HostCapturer`).
 
     >>> classify_node(nonzero_node, torch.device("cuda", 0)).kind  # doctest: +SKIP
-    <SkipReason.DATA_DEPENDENT_SHAPE: 'data_dependent_shape'>
+    <CudagraphRefusalKind.DATA_DEPENDENT_SHAPE: 'data_dependent_shape'>
     """
     if node.op != "call_function" or node.target is operator.getitem:
         return None
@@ -129,7 +123,7 @@ def classify_node(node: torch.fx.Node, device: torch.device | None) -> Unsupport
     where = source_location(node)
 
     def refuse(
-        kind: SkipReason, explanation: str, hint: str = "", cuda_work: bool | None = None
+        kind: CudagraphRefusalKind, explanation: str, hint: str = "", cuda_work: bool | None = None
     ) -> Unsupported:
         work = touches_device(node, device) if cuda_work is None else cuda_work
         return Unsupported(kind, where, explanation, hint, name, work)
@@ -143,51 +137,53 @@ def classify_node(node: torch.fx.Node, device: torch.device | None) -> Unsupport
         # integer indices its output shape is static (checked by _bool_index below).
         if torch.Tag.dynamic_output_shape in tags and not name.startswith("aten.index."):
             return refuse(
-                SkipReason.DATA_DEPENDENT_SHAPE,
+                CudagraphRefusalKind.DATA_DEPENDENT_SHAPE,
                 "its output shape depends on tensor data",
                 "use a fixed-size variant (nonzero_static, masked_fill) where one exists",
             )
         if torch.Tag.data_dependent_output in tags:
-            return refuse(SkipReason.SYNC_OP, "its host output depends on device data")
+            return refuse(CudagraphRefusalKind.SYNC_OP, "its host output depends on device data")
     unbacked = set().union(*(free_unbacked_symbols(v) for v in _vals(node) if v is not None))
     if unbacked:
         symbols = ", ".join(sorted(str(s) for s in unbacked))
         return refuse(
-            SkipReason.DATA_DEPENDENT_SHAPE,
+            CudagraphRefusalKind.DATA_DEPENDENT_SHAPE,
             f"it uses data-dependent sizes ({symbols})",
             "a replay would reuse the sizes seen at capture",
         )
     if _bool_index(node):
         return refuse(
-            SkipReason.DATA_DEPENDENT_SHAPE,
+            CudagraphRefusalKind.DATA_DEPENDENT_SHAPE,
             "boolean-mask indexing computes its size from the mask",
             "use torch.where or masked_fill",
         )
     if _mutates_placeholder_storage(node):
-        return refuse(SkipReason.INPUT_STORAGE_MUTATION, "set_ swaps a graph input's storage")
+        return refuse(
+            CudagraphRefusalKind.INPUT_STORAGE_MUTATION, "set_ swaps a graph input's storage"
+        )
     devices = node_devices(node)
     target_type = device.type if device is not None else "cuda"
     if devices and all(d.type == "cpu" for d in devices) and target_type != "cpu":
-        return refuse(SkipReason.CPU_TENSOR, "runs on the CPU", cuda_work=False)
+        return refuse(CudagraphRefusalKind.CPU_TENSOR, "runs on the CPU", cuda_work=False)
     if any(d.type == "cpu" for d in devices) and target_type != "cpu":
         if name in _COPY_OPS:
             return refuse(
-                SkipReason.DEVICE_COPY,
+                CudagraphRefusalKind.DEVICE_COPY,
                 "copies between host and device",
                 "move the copy out of the compiled region or keep the data on the device",
             )
         return refuse(
-            SkipReason.CPU_TENSOR,
+            CudagraphRefusalKind.CPU_TENSOR,
             "mixes CPU and device tensors (a CPU scalar would be frozen into the graph)",
             "create the tensor on the device",
         )
     if device is not None and any(d != device for d in devices):
         return refuse(
-            SkipReason.OTHER_DEVICE,
+            CudagraphRefusalKind.OTHER_DEVICE,
             f"uses {', '.join(sorted(str(d) for d in devices))} in a graph on {device}",
             "compile one function per device",
         )
     for t in _tensors(node.meta.get("val")):
         if t.is_sparse:
-            return refuse(SkipReason.SPARSE_TENSOR, "produces a sparse tensor")
+            return refuse(CudagraphRefusalKind.SPARSE_TENSOR, "produces a sparse tensor")
     return None

@@ -27,7 +27,7 @@ from loom_cudagraph._classify import (
     touches_device,
 )
 from loom_cudagraph._options import CudagraphOptions
-from loom_cudagraph._reasons import SkipReason, Unsupported
+from loom_cudagraph._reasons import CudagraphRefusalKind, Unsupported
 from loom_cudagraph._torch_compat import OpOverload, is_mutable_op, mutated_args
 
 __all__ = ["PartitionPlan", "PlanError", "SegmentPlan", "plan_graph"]
@@ -404,7 +404,7 @@ def _classify(
             refusals.setdefault(
                 n,
                 Unsupported(
-                    SkipReason.DISABLED,
+                    CudagraphRefusalKind.DISABLED,
                     source_location(n),
                     "the graph has no CUDA tensors",
                     cuda_work=False,
@@ -436,7 +436,7 @@ def _segments(
             captured[i] = False
             first = next((n for n in seg if _work(n, device)), seg[0])
             small[i] = Unsupported(
-                SkipReason.TOO_SMALL,
+                CudagraphRefusalKind.TOO_SMALL,
                 source_location(first),
                 f"segment of {work[i]} work nodes is below min_segment_nodes={options.min_segment_nodes}",
                 "lower cudagraph_min_segment_nodes to capture it",

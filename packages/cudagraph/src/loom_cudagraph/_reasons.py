@@ -1,6 +1,6 @@
 """Why a node or a segment does not run as a CUDA graph, as typed data.
 
-Every refusal is a :class:`Unsupported` carrying a :class:`SkipReason`, the
+Every refusal is a :class:`Unsupported` carrying a :class:`CudagraphRefusalKind`, the
 place it came from (the user's ``file:line`` when the node has a stack trace,
 else the node name) and what to do instead. Refusals are plain values with no
 ``fx.Node`` references, so plans that hold them can be cached and compared.
@@ -14,10 +14,10 @@ from typing import Any
 
 from loom_sidefx import Refusal, RefusalError
 
-__all__ = ["CudagraphError", "SkipReason", "Unsupported"]
+__all__ = ["CudagraphError", "CudagraphRefusalKind", "Unsupported"]
 
 
-class SkipReason(enum.Enum):
+class CudagraphRefusalKind(enum.Enum):
     """Why CUDA work runs uncaptured (every member is listed in docs/cudagraph.md)."""
 
     #: The node reads or writes a CPU tensor: capture records device work only.
@@ -57,7 +57,7 @@ class SkipReason(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Unsupported(Refusal[SkipReason]):
+class Unsupported(Refusal[CudagraphRefusalKind]):
     """What was refused, where, why, and what to do instead (a ``loom_sidefx.Refusal``).
 
     ``where`` is the user's source line (``file:line in fn``) when known, else
@@ -88,7 +88,7 @@ class Unsupported(Refusal[SkipReason]):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Unsupported:
         return cls(
-            SkipReason(data["kind"]),
+            CudagraphRefusalKind(data["kind"]),
             str(data["where"]),
             str(data["explanation"]),
             str(data.get("hint", "")),

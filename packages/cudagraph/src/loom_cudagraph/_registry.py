@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from loom_cudagraph._reasons import SkipReason
+from loom_cudagraph._reasons import CudagraphRefusalKind
 from loom_cudagraph._torch_compat import HigherOrderOperator, OpOverload, OpOverloadPacket
 
 __all__ = [
@@ -36,7 +36,7 @@ class OpRule:
     """Why one operator (or every overload of a packet) runs uncaptured."""
 
     name: str
-    kind: SkipReason
+    kind: CudagraphRefusalKind
     explanation: str
     hint: str = ""
 
@@ -47,43 +47,55 @@ COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d"
 _BUILTIN: tuple[OpRule, ...] = (
     OpRule(
         "aten._local_scalar_dense",
-        SkipReason.SYNC_OP,
+        CudagraphRefusalKind.SYNC_OP,
         "reads a device value on the host (.item()), which synchronizes",
         "keep the value on the device (torch.where instead of an if on .item())",
     ),
-    OpRule("aten.item", SkipReason.SYNC_OP, "reads a device value on the host, which synchronizes"),
-    OpRule("aten.equal", SkipReason.SYNC_OP, "returns a host bool computed from device data"),
-    OpRule("aten.is_nonzero", SkipReason.SYNC_OP, "returns a host bool computed from device data"),
+    OpRule(
+        "aten.item",
+        CudagraphRefusalKind.SYNC_OP,
+        "reads a device value on the host, which synchronizes",
+    ),
+    OpRule(
+        "aten.equal", CudagraphRefusalKind.SYNC_OP, "returns a host bool computed from device data"
+    ),
+    OpRule(
+        "aten.is_nonzero",
+        CudagraphRefusalKind.SYNC_OP,
+        "returns a host bool computed from device data",
+    ),
     OpRule(
         "aten._assert_scalar",
-        SkipReason.SYNC_OP,
+        CudagraphRefusalKind.SYNC_OP,
         "asserts on a host value read from the device",
     ),
     OpRule(
         "aten._fused_moving_avg_obs_fq_helper",
-        SkipReason.USER_MARKED,
+        CudagraphRefusalKind.USER_MARKED,
         "branches on device state on the host (quantization observer)",
     ),
     OpRule(
         "aten._fused_moving_avg_obs_fq_helper_functional",
-        SkipReason.USER_MARKED,
+        CudagraphRefusalKind.USER_MARKED,
         "branches on device state on the host (quantization observer)",
     ),
     OpRule(
         "run_and_save_rng_state",
-        SkipReason.RNG_STATE,
+        CudagraphRefusalKind.RNG_STATE,
         "saves the RNG state on the host, which a replay would not redo",
         "leave functionalize_rng_ops off (the default)",
     ),
     OpRule(
         "run_with_rng_state",
-        SkipReason.RNG_STATE,
+        CudagraphRefusalKind.RNG_STATE,
         "restores an RNG state on the host, which a replay would not redo",
         "leave functionalize_rng_ops off (the default)",
     ),
-    OpRule("cond", SkipReason.CONTROL_FLOW, "torch.cond picks a branch on the host"),
+    OpRule("cond", CudagraphRefusalKind.CONTROL_FLOW, "torch.cond picks a branch on the host"),
     OpRule(
-        "while_loop", SkipReason.CONTROL_FLOW, "torch.while_loop tests its condition on the host"
+        "while_loop",
+        CudagraphRefusalKind.CONTROL_FLOW,
+        "torch.while_loop tests its condition on the host",
     ),
 )
 
@@ -119,7 +131,7 @@ def mark_non_capturable(
     op: Any,
     explanation: str = "marked non-capturable by the user",
     hint: str = "",
-    kind: SkipReason = SkipReason.USER_MARKED,
+    kind: CudagraphRefusalKind = CudagraphRefusalKind.USER_MARKED,
 ) -> OpRule:
     """Make every call of ``op`` run outside CUDA graphs, with this reason.
 
@@ -162,11 +174,13 @@ def lookup_rule(target: Any) -> OpRule | None:
                 return rule
     if isinstance(target, OpOverload):
         if torch.Tag.cudagraph_unsafe in target.tags:
-            return OpRule(name, SkipReason.USER_MARKED, "the op carries torch.Tag.cudagraph_unsafe")
+            return OpRule(
+                name, CudagraphRefusalKind.USER_MARKED, "the op carries torch.Tag.cudagraph_unsafe"
+            )
         if target.namespace in COLLECTIVE_NAMESPACES:
             return OpRule(
                 name,
-                SkipReason.COLLECTIVE,
+                CudagraphRefusalKind.COLLECTIVE,
                 "collectives run outside CUDA graphs in loom",
                 "keep collectives at segment boundaries; the compute around them is captured",
             )

@@ -29,7 +29,7 @@ import torch
 from loom_cudagraph._capture import Capturer
 from loom_cudagraph._options import CudagraphOptions
 from loom_cudagraph._pool import MemoryPool, Reuse, Watch, adopt_if_held, prune_adopted
-from loom_cudagraph._reasons import SkipReason, Unsupported
+from loom_cudagraph._reasons import CudagraphRefusalKind, Unsupported
 from loom_cudagraph._skiplog import report_skip
 from loom_cudagraph._torch_compat import (
     StorageWeakRef,
@@ -421,7 +421,7 @@ class CapturedSegment:
             if not self._shapes_warned:
                 self._shapes_warned = True
                 self._skip(
-                    SkipReason.DYNAMIC_SHAPE_BUDGET,
+                    CudagraphRefusalKind.DYNAMIC_SHAPE_BUDGET,
                     f"input shapes {_shapes(inputs)} are the "
                     f"{len(self._tables) + 1}th distinct set; cudagraph_max_shapes="
                     f"{self.spec.options.max_shapes}, so new shapes run uncaptured",
@@ -605,7 +605,7 @@ class CapturedSegment:
             rec.graph = None
             self._hot = None
             self._off = self._skip(
-                SkipReason.CAPTURE_FAILED,
+                CudagraphRefusalKind.CAPTURE_FAILED,
                 f"capture raised {type(exc).__name__}: {exc}",
                 "report the op; mark it with loom_cudagraph.mark_non_capturable meanwhile",
             )
@@ -728,14 +728,16 @@ class CapturedSegment:
             )
             where = ""
         self._skip(
-            SkipReason.RECORDING_BUDGET,
+            CudagraphRefusalKind.RECORDING_BUDGET,
             explanation,
             "update parameters in place (p.copy_(new)) instead of assigning new tensors, "
             "or raise cudagraph_max_recording",
             where=where,
         )
 
-    def _skip(self, kind: SkipReason, explanation: str, hint: str, where: str = "") -> Unsupported:
+    def _skip(
+        self, kind: CudagraphRefusalKind, explanation: str, hint: str, where: str = ""
+    ) -> Unsupported:
         reason = Unsupported(kind, where or self.spec.name, explanation, hint)
         if self.listener is not None:
             self.listener(self.stats(), str(reason))

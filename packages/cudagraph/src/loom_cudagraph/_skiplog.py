@@ -14,14 +14,14 @@ import threading
 
 from loom_cudagraph._options import CudagraphOptions
 from loom_cudagraph._plan import PartitionPlan
-from loom_cudagraph._reasons import CudagraphError, SkipReason, Unsupported
+from loom_cudagraph._reasons import CudagraphError, CudagraphRefusalKind, Unsupported
 
 __all__ = ["report_plan_skips", "report_skip", "reset_skip_counts", "skip_counts"]
 
 log = logging.getLogger("torchloom.cudagraph")
 
 _lock = threading.Lock()
-_counts: collections.Counter[SkipReason] = collections.Counter()
+_counts: collections.Counter[CudagraphRefusalKind] = collections.Counter()
 _logged: set[tuple[str, Unsupported]] = set()
 
 
@@ -54,7 +54,7 @@ def report_plan_skips(plan: PartitionPlan) -> None:
             report_skip(reason, f"{plan.graph}/{seg.name}", plan.options)
 
 
-def skip_counts() -> dict[SkipReason, int]:
+def skip_counts() -> dict[CudagraphRefusalKind, int]:
     """How many skips of each kind this process counted since the last reset."""
     with _lock:
         return dict(_counts)

@@ -9,7 +9,7 @@ AOTAutograd), then :func:`remove_resize_copy_resize` and
 """
 
 from loom_resize._chains import remove_resize_copy_resize
-from loom_resize._errors import ResizeKind, ResizeRefused, Unsupported
+from loom_resize._errors import ResizeRefusalKind, ResizeRefused, Unsupported
 from loom_resize._fills import rewrite_fills_as_fsdp_copy
 from loom_resize._pattern import FillOp, FSDPPatternStack
 from loom_resize._plan import (
@@ -28,8 +28,8 @@ __all__ = [
     "FillOp",
     "InputResizes",
     "ResizeCase",
-    "ResizeKind",
     "ResizePlan",
+    "ResizeRefusalKind",
     "ResizeRefused",
     "Unsupported",
     "__version__",

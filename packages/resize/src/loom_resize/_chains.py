@@ -21,7 +21,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from loom_resize import _torch_compat as compat
-from loom_resize._errors import ResizeKind, Unsupported
+from loom_resize._errors import ResizeRefusalKind, Unsupported
 from loom_resize._nodes import (
     example_value,
     fill_pairs,
@@ -121,7 +121,7 @@ def _chains(
     uses: list[Node] = []
     after_down: list[Node] = []  # reads since the last chain's resize to 0
 
-    def left(kind: ResizeKind, why: str) -> Unsupported:
+    def left(kind: ResizeRefusalKind, why: str) -> Unsupported:
         return Unsupported(kind, f"input {target.name!r}", why, "left in the graph; still correct")
 
     for node in nodes:
@@ -139,33 +139,38 @@ def _chains(
                 state, uses = "idle", []
             else:
                 return [], left(
-                    ResizeKind.UNPAIRED_RESIZES, f"{node.name} breaks the (up, copy, down) order"
+                    ResizeRefusalKind.UNPAIRED_RESIZES,
+                    f"{node.name} breaks the (up, copy, down) order",
                 )
         elif is_fill(node) and any(d is target for d, _ in fill_pairs(node)):
             if state != "up":
                 return [], left(
-                    ResizeKind.UNPAIRED_RESIZES, f"{node.name} fills outside a resize-up"
+                    ResizeRefusalKind.UNPAIRED_RESIZES, f"{node.name} fills outside a resize-up"
                 )
             fill = node
             src = next(s for d, s in fill_pairs(node) if d is target)
             if (why := _same_metadata(target, src)) is not None:
-                return [], left(ResizeKind.METADATA_MISMATCH, f"{node.name}: {why}")
+                return [], left(ResizeRefusalKind.METADATA_MISMATCH, f"{node.name}: {why}")
             state = "filled"
         elif touches and _writes(node, target):
-            return [], left(ResizeKind.OTHER_MUTATION, f"{node.name} mutates it")
+            return [], left(ResizeRefusalKind.OTHER_MUTATION, f"{node.name} mutates it")
         elif touches and state == "filled":
             uses.append(node)
         elif touches and state == "up":
-            return [], left(ResizeKind.UNPAIRED_RESIZES, f"{node.name} reads it before the fill")
+            return [], left(
+                ResizeRefusalKind.UNPAIRED_RESIZES, f"{node.name} reads it before the fill"
+            )
         elif touches and chains:
             after_down.append(node)
     if state != "idle":
-        return [], left(ResizeKind.UNPAIRED_RESIZES, "a resize-up is not matched by a resize to 0")
+        return [], left(
+            ResizeRefusalKind.UNPAIRED_RESIZES, "a resize-up is not matched by a resize to 0"
+        )
     _attach_late_reads(chains, after_down, output)
     for chain in chains:
         if (view := _escaping_view(chain.uses + chain.late, target, output)) is not None:
             return [], left(
-                ResizeKind.VIEW_ESCAPES,
+                ResizeRefusalKind.VIEW_ESCAPES,
                 f"view {view.name!r} of it is returned; reading the source would keep the "
                 "full buffer alive",
             )

@@ -1,7 +1,7 @@
 """Typed refusals of the resize passes.
 
 Every reason a pass refuses a graph, or leaves one pattern alone, is an
-:class:`Unsupported` value whose ``kind`` comes from :class:`ResizeKind`. A
+:class:`Unsupported` value whose ``kind`` comes from :class:`ResizeRefusalKind`. A
 refusal is raised as :class:`ResizeRefused`; a "left alone" reason is only
 recorded in the pass report, since the graph stays correct without the pass.
 """
@@ -12,10 +12,10 @@ import enum
 
 from loom_sidefx import Refusal, RefusalError
 
-__all__ = ["ResizeKind", "ResizeRefused", "Unsupported"]
+__all__ = ["ResizeRefusalKind", "ResizeRefused", "Unsupported"]
 
 
-class ResizeKind(enum.Enum):
+class ResizeRefusalKind(enum.Enum):
     """Why a storage resize was refused (R) or a pattern left alone (L)."""
 
     #: (R) A resize neither starts nor ends at zero bytes, or grows to fewer
@@ -44,15 +44,15 @@ class ResizeKind(enum.Enum):
 
 _REFUSALS = frozenset(
     {
-        ResizeKind.PARTIAL_RESIZE,
-        ResizeKind.TENSOR_SUBCLASS,
-        ResizeKind.INTERMEDIATE,
-        ResizeKind.DIFFERENTIABLE_FILL,
+        ResizeRefusalKind.PARTIAL_RESIZE,
+        ResizeRefusalKind.TENSOR_SUBCLASS,
+        ResizeRefusalKind.INTERMEDIATE,
+        ResizeRefusalKind.DIFFERENTIABLE_FILL,
     }
 )
 
 
-class Unsupported(Refusal[ResizeKind]):
+class Unsupported(Refusal[ResizeRefusalKind]):
     """What was refused (``kind``), where (graph input or node, with the user's
     file:line when known), why, and what to do instead."""
 

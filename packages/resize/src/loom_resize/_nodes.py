@@ -9,7 +9,6 @@ graphs, so each pass can run on either.
 from __future__ import annotations
 
 import operator
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from loom_resize import _torch_compat as compat
+from loom_sidefx import user_frame
 
 __all__ = [
     "describe",
@@ -137,14 +137,9 @@ def describe(node: Node) -> str:
     return f"input {name} ({node.name!r})" if isinstance(name, str) else f"input {node.name!r}"
 
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-
-
 def location(node: Node, at: Node | None = None) -> str:
-    """``describe(node)`` plus the user's file:line taken from ``at`` (default: ``node``)."""
+    """``describe(node)`` plus the user's ``file:line in fn`` taken from ``at``
+    (default: ``node``), as :func:`loom_sidefx.user_frame` reads it."""
     trace = (at or node).meta.get("stack_trace")
-    frames = _FRAME.findall(str(trace)) if trace else []
-    if frames:
-        path, line = frames[-1]
-        return f"{describe(node)} at {path}:{line}"
-    return describe(node)
+    frame = user_frame(str(trace)) if trace else None
+    return describe(node) if frame is None else f"{describe(node)} at {frame}"

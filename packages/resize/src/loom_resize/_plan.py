@@ -18,7 +18,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from loom_resize import _torch_compat as compat
-from loom_resize._errors import ResizeKind, ResizeRefused, Unsupported
+from loom_resize._errors import ResizeRefusalKind, ResizeRefused, Unsupported
 from loom_resize._nodes import (
     example_value,
     fill_pairs,
@@ -102,7 +102,7 @@ class ResizePlan:
 
 
 def _refuse(
-    kind: ResizeKind, node: Node, explanation: str, hint: str, at: Node | None = None
+    kind: ResizeRefusalKind, node: Node, explanation: str, hint: str, at: Node | None = None
 ) -> ResizeRefused:
     return ResizeRefused(Unsupported(kind, location(node, at), explanation, hint))
 
@@ -112,7 +112,7 @@ def _check_input(resize: Node) -> Node:
     assert isinstance(target, Node)
     if input_position(target) is None:
         raise _refuse(
-            ResizeKind.INTERMEDIATE,
+            ResizeRefusalKind.INTERMEDIATE,
             target,
             "its storage is resized, but it is a tensor computed in the graph; "
             "only graph inputs (parameters, buffers, arguments) can have their storage "
@@ -122,7 +122,7 @@ def _check_input(resize: Node) -> Node:
         )
     if compat.is_tensor_subclass(example_value(target)):
         raise _refuse(
-            ResizeKind.TENSOR_SUBCLASS,
+            ResizeRefusalKind.TENSOR_SUBCLASS,
             target,
             f"is a tensor subclass ({type(example_value(target)).__name__}) whose storage "
             "is resized; the storage of a wrapper subclass is not the data its ops read",
@@ -136,7 +136,7 @@ def _walk_sizes(target: Node, resizes: list[Node]) -> tuple[int, int, int]:
     value = example_value(target)
     if not isinstance(value, torch.Tensor):
         raise _refuse(
-            ResizeKind.INTERMEDIATE,
+            ResizeRefusalKind.INTERMEDIATE,
             target,
             "has no tensor example value, so the bytes it needs are unknown",
             "pass the tensor itself as a graph input",
@@ -157,7 +157,7 @@ def _walk_sizes(target: Node, resizes: list[Node]) -> tuple[int, int, int]:
             current = new
             continue
         raise _refuse(
-            ResizeKind.PARTIAL_RESIZE,
+            ResizeRefusalKind.PARTIAL_RESIZE,
             target,
             f"its storage is resized from {current} to {new} bytes; "
             f"only resizes from 0 to at least the {full} bytes the tensor needs, or to 0, "
@@ -172,7 +172,7 @@ def _check_fill(node: Node, dst: Node, src: object, grad_enabled: bool) -> None:
     src_value = example_value(src)
     if grad_enabled and getattr(src_value, "requires_grad", False):
         raise _refuse(
-            ResizeKind.DIFFERENTIABLE_FILL,
+            ResizeRefusalKind.DIFFERENTIABLE_FILL,
             dst,
             f"{node.name} fills it from a tensor that requires grad while grad "
             "mode is on, so autograd would have to differentiate through the fill",

@@ -1,4 +1,4 @@
-"""Symbolic values with a mutation type, the side-effect log of a traced hook, pruning of dead new objects, and the replay plan that applies recorded side effects, in program order, after a compiled graph runs. Pure Python: it never imports torch."""
+"""Symbolic values with a mutation type, the side-effect log of a traced hook, pruning of dead new objects, and the replay plan that applies recorded side effects, in program order, after a compiled graph runs; the refusal base every loom package shares, and the one reader of the user's source line a refusal points at (`user_frame`). Pure Python: it never imports torch."""
 
 from ._builder import Checkpoint, SideEffects
 from ._guards import (
@@ -11,7 +11,7 @@ from ._guards import (
 )
 from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
 from ._pass_result import Change, PassResult
-from ._refusals import Refusal, RefusalError, SideEffectRefusal, SideEffectRefused, Unsupported
+from ._refusals import Refusal, RefusalError, SideEffectRefusalKind, SideEffectRefused, Unsupported
 from ._replay import PlanCheckError, ReplayPlan, checks_enabled
 from ._sources import (
     ArgSource,
@@ -25,6 +25,7 @@ from ._sources import (
     Roots,
     Source,
 )
+from ._user_frame import UserFrame, user_frame
 from ._values import (
     COMPUTE_OPS,
     Computed,
@@ -76,13 +77,14 @@ __all__ = [
     "ReplayPlan",
     "Roots",
     "SameElements",
-    "SideEffectRefusal",
+    "SideEffectRefusalKind",
     "SideEffectRefused",
     "SideEffects",
     "Source",
     "Staged",
     "TensorSlot",
     "Unsupported",
+    "UserFrame",
     "Value",
     "__version__",
     "checks_enabled",
@@ -91,4 +93,5 @@ __all__ = [
     "constant_guard",
     "is_constant",
     "register_constant_type",
+    "user_frame",
 ]

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 from ._guards import Guard, GuardKind, SameElements
 from ._kinds import BASE_OF_KIND, attr_refusal, has_instance_attr, kind_of, materialize_refusal
 from ._ops import FunctionSpec, NewObject, Op, OpKind, PreexistingObject
-from ._refusals import SideEffectRefusal, SideEffectRefused, Unsupported
+from ._refusals import SideEffectRefusalKind, SideEffectRefused, Unsupported
 from ._replay import ReplayPlan, checks_enabled
 from ._sources import CellContentsSource, ItemSource, Source
 from ._values import (
@@ -152,7 +152,7 @@ class SideEffects:
         why = materialize_refusal(cls, kind)
         if why is not None:
             self._refuse(
-                SideEffectRefusal.UNMATERIALIZABLE,
+                SideEffectRefusalKind.UNMATERIALIZABLE,
                 f"cannot create a {kind.value} of class {cls!r} for replay: {why}",
                 "build the object outside the hook, or use a pure-Python class",
             )
@@ -216,9 +216,6 @@ class SideEffects:
         if ref.is_new:
             raise TypeError(f"{ref} is new: it has no live object while tracing")
         return entry.obj
-
-    def class_of(self, ref: Ref) -> type:
-        return self._entry(ref).cls
 
     @property
     def num_ops(self) -> int:
@@ -313,7 +310,7 @@ class SideEffects:
             current = Missing.ABSENT
         if current is Missing.ABSENT:
             self._refuse(
-                SideEffectRefusal.WOULD_RAISE,
+                SideEffectRefusalKind.WOULD_RAISE,
                 f"del of attribute {name!r} that the instance does not have raises AttributeError",
             )
         if ref.is_new:
@@ -352,7 +349,9 @@ class SideEffects:
     def list_insert(self, ref: Ref, index: int, value: Value) -> None:
         entry = self._mutable(ref, ObjKind.LIST)
         if type(index) is not int:
-            self._refuse(SideEffectRefusal.UNSUPPORTED_KEY, f"list index {index!r} is not an int")
+            self._refuse(
+                SideEffectRefusalKind.UNSUPPORTED_KEY, f"list index {index!r} is not an int"
+            )
         value = self._value(value)
         entry.items.insert(index, value)
         self._log(OpKind.LIST_INSERT, ref, index, (value,))
@@ -393,7 +392,7 @@ class SideEffects:
         self._observe_key(entry, key)
         if key not in entry.mapping:
             if default is _NO_DEFAULT:
-                self._refuse(SideEffectRefusal.WOULD_RAISE, f"key {key!r} is missing: KeyError")
+                self._refuse(SideEffectRefusalKind.WOULD_RAISE, f"key {key!r} is missing: KeyError")
             return default
         value = entry.mapping.pop(key)
         self._touch(entry, key)
@@ -438,7 +437,7 @@ class SideEffects:
         self._mutable(ref, ObjKind.SET)
         if self._key(element) not in self.set_items(ref):
             self._refuse(
-                SideEffectRefusal.WOULD_RAISE, f"set element {element!r} is missing: KeyError"
+                SideEffectRefusalKind.WOULD_RAISE, f"set element {element!r} is missing: KeyError"
             )
         self.set_discard(ref, element)
 
@@ -461,7 +460,7 @@ class SideEffects:
     def del_global(self, name: str) -> None:
         if self._globals.get(name, Missing.UNCHANGED) is Missing.ABSENT:
             self._refuse(
-                SideEffectRefusal.WOULD_RAISE, f"global {name!r} is not defined: NameError"
+                SideEffectRefusalKind.WOULD_RAISE, f"global {name!r} is not defined: NameError"
             )
         self._globals[name] = Missing.ABSENT
         self._ops.append(Op(OpKind.DEL_GLOBAL, None, name, (), self.where))
@@ -476,7 +475,9 @@ class SideEffects:
         """``del cell.cell_contents`` (``DELETE_DEREF``)."""
         entry = self._mutable(ref, ObjKind.CELL)
         if entry.cell is Missing.ABSENT:
-            self._refuse(SideEffectRefusal.WOULD_RAISE, "deleting an empty cell raises NameError")
+            self._refuse(
+                SideEffectRefusalKind.WOULD_RAISE, "deleting an empty cell raises NameError"
+            )
         entry.cell = Missing.ABSENT
         self._log(OpKind.DEL_CELL, ref)
 
@@ -602,7 +603,7 @@ class SideEffects:
                 stack.extend((v.lhs, v.rhs))
             elif isinstance(v, Original) and v.source is None:
                 self._refuse(
-                    SideEffectRefusal.NO_SOURCE,
+                    SideEffectRefusalKind.NO_SOURCE,
                     "an item of a pre-existing object without a source escapes into Python state",
                 )
         preexisting = []
@@ -611,7 +612,7 @@ class SideEffects:
             source = entry.source
             if source is None:
                 self._refuse(
-                    SideEffectRefusal.NO_SOURCE,
+                    SideEffectRefusalKind.NO_SOURCE,
                     f"a pre-existing {entry.cls.__qualname__} without a source is mutated or stored",
                     "pass the object to the hook as an argument, or reach it from a global or closure",
                 )
@@ -649,7 +650,7 @@ class SideEffects:
             if isinstance(v, Staged):
                 if resolve is None:
                     self._refuse(
-                        SideEffectRefusal.UNSUPPORTED_VALUE,
+                        SideEffectRefusalKind.UNSUPPORTED_VALUE,
                         f"a staged {type(v.payload).__qualname__} reaches the plan unresolved",
                         "pass build(resolve=...)",
                     )
@@ -677,7 +678,7 @@ class SideEffects:
         return deep
 
     # ------------------------------------------------------------------ helpers
-    def _refuse(self, kind: SideEffectRefusal, explanation: str, hint: str = "") -> NoReturn:
+    def _refuse(self, kind: SideEffectRefusalKind, explanation: str, hint: str = "") -> NoReturn:
         raise SideEffectRefused(Unsupported(kind, self.where, explanation, hint))
 
     def _new_entry(self, kind: ObjKind, cls: type) -> _Entry:
@@ -689,17 +690,21 @@ class SideEffects:
 
     def _entry(self, ref: Ref) -> _Entry:
         if not isinstance(ref, Ref) or not 0 <= ref.index < len(self._entries):
-            self._refuse(SideEffectRefusal.FOREIGN_REF, f"{ref!r} was not tracked by this builder")
+            self._refuse(
+                SideEffectRefusalKind.FOREIGN_REF, f"{ref!r} was not tracked by this builder"
+            )
         entry = self._entries[ref.index]
         if entry.ref != ref:
-            self._refuse(SideEffectRefusal.FOREIGN_REF, f"{ref!r} was not tracked by this builder")
+            self._refuse(
+                SideEffectRefusalKind.FOREIGN_REF, f"{ref!r} was not tracked by this builder"
+            )
         return entry
 
     def _container(self, ref: Ref, kind: ObjKind) -> _Entry:
         entry = self._entry(ref)
         if ref.kind is not kind:
             self._refuse(
-                SideEffectRefusal.WRONG_KIND,
+                SideEffectRefusalKind.WRONG_KIND,
                 f"a {kind.value} operation on a {ref.kind.value} ({entry.cls.__qualname__})",
             )
         if not entry.state:
@@ -714,7 +719,7 @@ class SideEffects:
     def _require_source(self, entry: _Entry) -> None:
         if not entry.ref.is_new and entry.source is None:
             self._refuse(
-                SideEffectRefusal.NO_SOURCE,
+                SideEffectRefusalKind.NO_SOURCE,
                 f"mutation of a pre-existing {entry.cls.__qualname__} that has no source",
                 "reach the object from the hook's arguments, globals or closure",
             )
@@ -722,12 +727,14 @@ class SideEffects:
     def _attr_target(self, ref: Ref, name: str, generic: bool) -> _Entry:
         entry = self._entry(ref)
         if ref.kind is ObjKind.CELL:
-            self._refuse(SideEffectRefusal.WRONG_KIND, "cells have no attributes: use store_cell")
+            self._refuse(
+                SideEffectRefusalKind.WRONG_KIND, "cells have no attributes: use store_cell"
+            )
         self._require_source(entry)
         if generic:
             if ref.is_new:
                 self._refuse(
-                    SideEffectRefusal.WRONG_KIND,
+                    SideEffectRefusalKind.WRONG_KIND,
                     "generic attribute stores apply to pre-existing objects only",
                     "trace the new object's __setattr__ and record raw stores",
                 )
@@ -735,7 +742,7 @@ class SideEffects:
         why = attr_refusal(entry.cls, name)
         if why is not None:
             self._refuse(
-                SideEffectRefusal.DESCRIPTOR_ATTR,
+                SideEffectRefusalKind.DESCRIPTOR_ATTR,
                 f"cannot replay a raw store of attribute {name!r}: {why}",
                 "trace through the property/descriptor so only plain stores are recorded",
             )
@@ -756,7 +763,7 @@ class SideEffects:
             for k, v in dict.items(obj):
                 if not is_constant(k):
                     self._refuse(
-                        SideEffectRefusal.UNSUPPORTED_KEY,
+                        SideEffectRefusalKind.UNSUPPORTED_KEY,
                         f"pre-existing dict has the non-constant key of type {type(k).__qualname__}",
                     )
                 d[k] = self._original(v, None if src is None else ItemSource(src, k))
@@ -766,7 +773,7 @@ class SideEffects:
             for k in set.__iter__(obj):
                 if not is_constant(k):
                     self._refuse(
-                        SideEffectRefusal.UNSUPPORTED_KEY,
+                        SideEffectRefusalKind.UNSUPPORTED_KEY,
                         f"pre-existing set holds a non-constant of type {type(k).__qualname__}",
                     )
                 members[k] = None
@@ -804,7 +811,7 @@ class SideEffects:
     def _key(self, key: Any) -> Any:
         if not is_constant(key):
             self._refuse(
-                SideEffectRefusal.UNSUPPORTED_KEY,
+                SideEffectRefusalKind.UNSUPPORTED_KEY,
                 f"a key or set element of type {type(key).__qualname__} is not a hashable constant",
                 "use str/int/bool/None keys (or tuples of them)",
             )
@@ -821,7 +828,7 @@ class SideEffects:
         if isinstance(value, Computed):
             return Computed(value.op, self._value(value.lhs), self._value(value.rhs))
         self._refuse(
-            SideEffectRefusal.UNSUPPORTED_VALUE,
+            SideEffectRefusalKind.UNSUPPORTED_VALUE,
             f"cannot record a value of type {type(value).__qualname__}",
             "track the object first (track_existing/track_new) and store its Ref",
         )
@@ -829,11 +836,14 @@ class SideEffects:
     def _index(self, entry: _Entry, index: int, what: str) -> None:
         self._observe_length(entry)
         if type(index) is not int:
-            self._refuse(SideEffectRefusal.UNSUPPORTED_KEY, f"list index {index!r} is not an int")
+            self._refuse(
+                SideEffectRefusalKind.UNSUPPORTED_KEY, f"list index {index!r} is not an int"
+            )
         n = len(entry.items)
         if not -n <= index < n:
             self._refuse(
-                SideEffectRefusal.WOULD_RAISE, f"list {what} index {index} out of range (len {n})"
+                SideEffectRefusalKind.WOULD_RAISE,
+                f"list {what} index {index} out of range (len {n})",
             )
 
     def _log(self, kind: OpKind, ref: Ref, key: Any = None, args: tuple[Value, ...] = ()) -> None:

@@ -3,10 +3,10 @@
 A refusal says what was refused (``kind``, a member of the refusing package's
 own enum), where (the user's ``file:line`` when known), why, and what to do
 instead. :class:`Refusal` is that value, generic in the kind enum; each package
-subclasses it as its ``Unsupported`` (``class Unsupported(Refusal[CellRefusal])``)
+subclasses it as its ``Unsupported`` (``class Unsupported(Refusal[CellRefusalKind])``)
 and raises it wrapped in a subclass of :class:`RefusalError`. ``loom_sidefx``
 is the root of the dependency table (stdlib only), so every package can share
-the base. The log's own refusals use :class:`SideEffectRefusal`, every kind
+the base. The log's own refusals use :class:`SideEffectRefusalKind`, every kind
 documented in ``docs/sidefx.md`` (a test keeps the two in sync).
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 __all__ = [
     "Refusal",
     "RefusalError",
-    "SideEffectRefusal",
+    "SideEffectRefusalKind",
     "SideEffectRefused",
     "Unsupported",
 ]
@@ -33,10 +33,10 @@ class Refusal(Generic[KindT]):
 
     Example::
 
-        class Unsupported(Refusal[CellRefusal]):
+        class Unsupported(Refusal[CellRefusalKind]):
             __slots__ = ()
 
-        str(Unsupported(CellRefusal.EMPTY_CELL, "hook.py:3", "x is empty", "assign x first"))
+        str(Unsupported(CellRefusalKind.EMPTY_CELL, "hook.py:3", "x is empty", "assign x first"))
         # '[empty_cell] hook.py:3: x is empty (hint: assign x first)'
     """
 
@@ -59,7 +59,7 @@ class RefusalError(Exception):
         self.reason = reason
 
 
-class SideEffectRefusal(enum.Enum):
+class SideEffectRefusalKind(enum.Enum):
     """Why a side effect cannot be recorded or replayed."""
 
     #: A pre-existing object without a source was mutated or stored: the
@@ -88,7 +88,7 @@ class SideEffectRefusal(enum.Enum):
     FOREIGN_REF = "foreign_ref"
 
 
-class Unsupported(Refusal[SideEffectRefusal]):
+class Unsupported(Refusal[SideEffectRefusalKind]):
     """A refusal of the side-effect log."""
 
     __slots__ = ()

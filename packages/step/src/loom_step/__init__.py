@@ -15,23 +15,28 @@ gradients). What cannot be captured is refused with the op and the user's
 
 from loom_step._guard import GuardKind, GuardMismatch
 from loom_step._options import StepOptions
-from loom_step._refusals import CaptureStepError, StepKind, StepRefusal, StepUnsupported
+from loom_step._refusals import (
+    AnyStepRefusalKind,
+    CaptureStepError,
+    StepRefusalKind,
+    StepUnsupported,
+)
 from loom_step._state import StepCounters, StepEvent, StepListener, StepState, StepStats
 from loom_step._step import CapturedStep, capture_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnyStepRefusalKind",
     "CaptureStepError",
     "CapturedStep",
     "GuardKind",
     "GuardMismatch",
     "StepCounters",
     "StepEvent",
-    "StepKind",
     "StepListener",
     "StepOptions",
-    "StepRefusal",
+    "StepRefusalKind",
     "StepState",
     "StepStats",
     "StepUnsupported",

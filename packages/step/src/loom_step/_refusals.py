@@ -2,7 +2,7 @@
 
 Refusals are decided at warm-up (before any capture), except a capture that
 itself fails and a spent recording budget: those two are the capture core's own
-kinds (``loom_cudagraph.SkipReason.CAPTURE_FAILED`` and ``RECORDING_BUDGET``),
+kinds (``loom_cudagraph.CudagraphRefusalKind.CAPTURE_FAILED`` and ``RECORDING_BUDGET``),
 shared with the per-graph runtime. Each names the op or object, the user's
 ``file:line`` and what to do instead; :class:`CaptureStepError` raises one
 under ``or_error``.
@@ -27,13 +27,13 @@ from typing import Any, TextIO
 
 import torch
 
-from loom_cudagraph import SkipReason
+from loom_cudagraph import CudagraphRefusalKind
 from loom_sidefx import Refusal, RefusalError
 from loom_step._targets import StepTargets
 
 __all__ = [
     "CaptureStepError",
-    "StepRefusal",
+    "StepRefusalKind",
     "StepUnsupported",
     "autocast_refusal",
     "call_site",
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 
-class StepRefusal(enum.Enum):
+class StepRefusalKind(enum.Enum):
     """Why a step runs uncaptured (every member is listed in docs/capture_step.md,
     beside the capture core's two kinds a step shares)."""
 
@@ -68,12 +68,12 @@ class StepRefusal(enum.Enum):
 
 
 #: A step refusal's kind: the step's own, or the capture core's for a failed capture
-#: (``SkipReason.CAPTURE_FAILED``) and a spent budget (``SkipReason.RECORDING_BUDGET``).
-StepKind = StepRefusal | SkipReason
+#: (``CudagraphRefusalKind.CAPTURE_FAILED``) and a spent budget (``CudagraphRefusalKind.RECORDING_BUDGET``).
+AnyStepRefusalKind = StepRefusalKind | CudagraphRefusalKind
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StepUnsupported(Refusal[StepKind]):
+class StepUnsupported(Refusal[AnyStepRefusalKind]):
     """What was refused, where (the user's ``file:line``), why, what to do instead
     (a ``loom_sidefx.Refusal``, formatted as every refusal is); ``op`` names the
     operation or its source line and leads the explanation."""
@@ -202,7 +202,7 @@ def optimizer_refusals(
         if any(f is False for f in flags):
             out.append(
                 StepUnsupported(
-                    StepRefusal.OPTIMIZER_NOT_CAPTURABLE,
+                    StepRefusalKind.OPTIMIZER_NOT_CAPTURABLE,
                     where,
                     f"{name} ({cls}) has capturable=False: its step counter lives on the host "
                     "and a replay would repeat the captured step number",
@@ -214,7 +214,7 @@ def optimizer_refusals(
             if type(opt).__module__.startswith("torch.optim"):
                 out.append(
                     StepUnsupported(
-                        StepRefusal.OPTIMIZER_NOT_CAPTURABLE,
+                        StepRefusalKind.OPTIMIZER_NOT_CAPTURABLE,
                         where,
                         f"{name} ({cls}) has no capturable step",
                         "use SGD, or Adam/AdamW/... with capturable=True",
@@ -231,7 +231,7 @@ def scaler_refusals(fn: Callable[..., Any], targets: StepTargets) -> list[StepUn
         if scaler.is_enabled():
             out.append(
                 StepUnsupported(
-                    StepRefusal.GRAD_SCALER,
+                    StepRefusalKind.GRAD_SCALER,
                     call_site(fn, f"{name}.step("),
                     f"{name} (GradScaler) skips optimizer steps after a host-side inf check",
                     "train in bfloat16 autocast without a GradScaler, or leave this step uncaptured",
@@ -247,7 +247,7 @@ def autocast_refusal(fn: Callable[..., Any]) -> StepUnsupported | None:
     if not torch.is_autocast_enabled("cuda") or not torch.is_autocast_cache_enabled():
         return None
     return StepUnsupported(
-        StepRefusal.AUTOCAST_CACHE,
+        StepRefusalKind.AUTOCAST_CACHE,
         call_site(fn, ""),
         "the step is called inside torch.autocast with cache_enabled=True",
         "enter autocast inside the step function, or pass cache_enabled=False",
@@ -265,7 +265,7 @@ def sync_refusal(stack: Sequence[traceback.FrameSummary]) -> StepUnsupported | N
     if frame is not None:
         line = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
     return StepUnsupported(
-        StepRefusal.SYNC_OP,
+        StepRefusalKind.SYNC_OP,
         _where(frame),
         "the step waits for the device on the host (a synchronizing CUDA operation); "
         "a replay cannot return a host value",

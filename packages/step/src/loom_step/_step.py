@@ -30,7 +30,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import torch
 
 import loom_cudagraph
-from loom_cudagraph import SkipReason
+from loom_cudagraph import CudagraphRefusalKind
 from loom_step import _torch_compat as compat
 from loom_step._fast import FastCheck
 from loom_step._guard import GuardMismatch, StepGuard, StepProbe
@@ -44,7 +44,7 @@ from loom_step._recording import (
 )
 from loom_step._refusals import (
     CaptureStepError,
-    StepRefusal,
+    StepRefusalKind,
     StepUnsupported,
     autocast_refusal,
     call_site,
@@ -305,7 +305,7 @@ class CapturedStep(Generic[P, R]):
                 else ("the step's arguments, parameters and tensors are not on a CUDA device")
             )
             return StepUnsupported(
-                StepRefusal.NO_CUDA,
+                StepRefusalKind.NO_CUDA,
                 call_site(self.fn, ""),
                 f"{why}; the step runs uncaptured",
                 "nothing to do: capture_step captures CUDA steps",
@@ -318,7 +318,7 @@ class CapturedStep(Generic[P, R]):
         for i, v in enumerate(leaves):
             if isinstance(v, torch.Tensor) and v.device.type != self.capturer.device_type:
                 return StepUnsupported(
-                    StepRefusal.HOST_ARGUMENT,
+                    StepRefusalKind.HOST_ARGUMENT,
                     call_site(self.fn, ""),
                     f"tensor argument leaf {i} is on {v.device}; a replay reads device memory only",
                     "move it to the device before the call (x.cuda(non_blocking=True))",
@@ -414,7 +414,7 @@ class CapturedStep(Generic[P, R]):
         if host:
             self._refuse(
                 StepUnsupported(
-                    StepRefusal.HOST_OUTPUT,
+                    StepRefusalKind.HOST_OUTPUT,
                     call_site(self.fn, "return"),
                     f"the step returns Python values ({', '.join(host)}), which a replay "
                     "would repeat unchanged",
@@ -441,7 +441,7 @@ class CapturedStep(Generic[P, R]):
         if self.counts.budget_skips == 1:
             limit = self.options.max_recordings
             reason = StepUnsupported(
-                SkipReason.RECORDING_BUDGET,
+                CudagraphRefusalKind.RECORDING_BUDGET,
                 call_site(self.fn, ""),
                 f"{len(self._recordings)} recordings and {self.counts.extra_warmups} calls for "
                 f"new guard sets made (capture_step_max_recordings={limit}) and the guard failed "
@@ -505,7 +505,7 @@ class CapturedStep(Generic[P, R]):
 
 def _python_state(fn: Callable[..., Any], changed: GuardMismatch) -> StepUnsupported:
     return StepUnsupported(
-        StepRefusal.PYTHON_STATE,
+        StepRefusalKind.PYTHON_STATE,
         call_site(fn, ""),
         f"the step itself changes Python state that a replay would not change ({changed})",
         "keep scheduler.step(), parameter swaps and other Python updates out of the step "
@@ -515,7 +515,7 @@ def _python_state(fn: Callable[..., Any], changed: GuardMismatch) -> StepUnsuppo
 
 def _capture_failed(fn: Callable[..., Any], exc: RuntimeError) -> StepUnsupported:
     return StepUnsupported(
-        SkipReason.CAPTURE_FAILED,
+        CudagraphRefusalKind.CAPTURE_FAILED,
         call_site(fn, ""),
         f"torch.cuda.graph capture raised {type(exc).__name__}: {exc}",
         "run it with TORCHLOOM_LOG=debug and report the op",

@@ -22,15 +22,15 @@ import json
 import logging
 import os
 import pickle
-import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Final
 
 import torch
 from torch.fx import GraphModule
 
 import loom_cache
+from loom_sidefx import user_frame
 from torchloom import _torch_compat as compat
 from torchloom._aot_cache import AotCacheSlot, route_lazy_backward_save
 from torchloom._distributions import LOOM_DISTRIBUTIONS
@@ -42,7 +42,7 @@ __all__ = [
     "Artifact",
     "CacheLookup",
     "CacheRun",
-    "backward_compiled",
+    "StoreAfterBackward",
     "cache_key",
     "cache_store",
     "finish_cold",
@@ -65,7 +65,6 @@ _LOOM_MODULES: Final = (
     "loom_sidefx",
     "loom_cells",
 )
-_FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
 
 _store_lock = threading.Lock()
 _stores: dict[loom_cache.CacheConfig, loom_cache.TieredStore] = {}
@@ -136,10 +135,9 @@ def loom_source_hash(modules: tuple[str, ...] = _LOOM_MODULES) -> str:
 def _program(gm: GraphModule) -> str:
     """``file:function`` of the user code the graph came from (explanations only)."""
     for node in gm.graph.nodes:
-        match = _FRAME.findall(node.meta.get("stack_trace") or "")
-        if match:
-            path, fn = match[-1]
-            return f"{os.path.basename(path)}:{fn}"
+        frame = user_frame(node.meta.get("stack_trace"))
+        if frame is not None:
+            return f"{os.path.basename(frame.file)}:{frame.function}"
     return "graph"
 
 
@@ -324,68 +322,76 @@ def record_miss(record: GraphRecordBuilder, lookup: CacheLookup, reason: str) ->
     log.info("graph %d: %s", record.graph_id, message)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, slots=True)
 class CacheRun:
-    """A keyed cold compilation in progress: where its result goes, which report
-    entries and graphs it made (those after ``first_*``), which aten graphs it
-    compiled so far and what the stored artifact must carry besides.
-
-    ``awaiting_backward``: the compilation returned before AOTAutograd saved its
-    entry, because the backward compiles at its first call (``grad_hook`` sites);
-    the entry is stored right after that compile.
-    """
+    """A keyed cold compilation: the lookup that missed, the AOTAutograd cache slot
+    its result lands in (:class:`AotCacheSlot`, which AOTAutograd writes to), which
+    report entries and graphs are its own (those after ``first_*``) and the payloads
+    the stored artifact carries besides, by area, made at store time."""
 
     lookup: CacheLookup
     slot: AotCacheSlot
     first_entry: int
     first_graph: int
-    #: Payloads stored with the artifact, by area, made at store time.
     payloads: Callable[[], Mapping[str, Any]]
-    compiled: set[GraphKind] = dataclasses.field(default_factory=set)
-    awaiting_backward: bool = False
-    #: Why the compilation is not what the key promises (hooks left eager), if so.
-    not_cacheable: str | None = None
 
 
-def finish_cold(record: GraphRecordBuilder, run: CacheRun) -> None:
-    """After a cold compile: record the miss, then store the artifact now, or after
-    the first backward when AOTAutograd compiles it then."""
+#: What the backward compiler calls when the entry waits for a lazily compiled backward.
+StoreAfterBackward = Callable[[], None]
+
+
+def finish_cold(
+    record: GraphRecordBuilder,
+    run: CacheRun,
+    compiled: Collection[GraphKind],
+    not_cacheable: str | None,
+) -> StoreAfterBackward | None:
+    """After a cold compile that made the aten graphs ``compiled``: record the miss,
+    then store the artifact now (``None``), or return what the backward compiler
+    calls to store it, when AOTAutograd compiles the backward at its first call.
+
+    ``not_cacheable`` says why the compilation is not what the key promises (hooks
+    left eager), if so: then nothing is stored.
+    """
     record_miss(record, run.lookup, run.lookup.reason)
-    if run.compiled == {GraphKind.FORWARD} and not run.slot.save_attempted:
-        run.awaiting_backward = True
+    if set(compiled) == {GraphKind.FORWARD} and not run.slot.save_attempted:
         record.add_entry(
             "cache",
             "pending",
             "the backward compiles at its first call: the entry is stored after it",
             digest=run.lookup.key.digest,
         )
-        return
-    store_compilation(record, run)
+        return functools.partial(_store_after_backward, record, run, not_cacheable)
+    store_compilation(record, run, not_cacheable)
+    return None
 
 
-def backward_compiled(record: GraphRecordBuilder, run: CacheRun) -> None:
+def _store_after_backward(
+    record: GraphRecordBuilder, run: CacheRun, not_cacheable: str | None
+) -> None:
     """Called as a lazily compiled backward is generated: the entry AOTAutograd saves
     right after is routed to this compilation's slot, then stored."""
-    if not run.awaiting_backward:
-        return
     # NOTE: AOTAutograd makes and saves the complete entry right after this compiler
     # returns, outside our compilation's slot routing.
-    run.awaiting_backward = False
-
-    def save_late() -> None:
-        try:
-            store_compilation(record, run)
-        except Exception as err:  # inside the user's backward: the cache never fails it
-            log.warning("graph %d: could not store the compiled artifact: %r", record.graph_id, err)
-
-    route_lazy_backward_save(run.slot, save_late)
+    save = functools.partial(_store_late, record, run, not_cacheable)
+    route_lazy_backward_save(run.slot, save)
 
 
-def store_compilation(record: GraphRecordBuilder, run: CacheRun) -> None:
-    """Store the cold compilation's artifact, unless it is not what the key promises."""
+def _store_late(record: GraphRecordBuilder, run: CacheRun, not_cacheable: str | None) -> None:
+    try:
+        store_compilation(record, run, not_cacheable)
+    except Exception as err:  # inside the user's backward: the cache never fails it
+        log.warning("graph %d: could not store the compiled artifact: %r", record.graph_id, err)
+
+
+def store_compilation(
+    record: GraphRecordBuilder, run: CacheRun, not_cacheable: str | None = None
+) -> None:
+    """Store the cold compilation's artifact, unless it is not what the key promises
+    (it fell back, or ``not_cacheable`` says why)."""
     store, key, slot = run.lookup.store, run.lookup.key, run.slot
     built = record.build()
-    if built.fallback is not None or run.not_cacheable is not None:
+    if built.fallback is not None or not_cacheable is not None:
         record.add_entry(
             "cache",
             "not-stored",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import enum
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ from torchloom._values import Codegen, GraphKind
 __all__ = [
     "CudagraphSession",
     "PlanFn",
+    "PlanOutcome",
     "StoredPlan",
     "compile_segmented",
     "cudagraph_error",
@@ -75,28 +77,47 @@ def release_runtimes() -> None:
     _runtimes.clear()
 
 
+class PlanOutcome(enum.Enum):
+    """What became of one aten graph's plan."""
+
+    #: Some segment runs as a CUDA graph.
+    CAPTURED = "captured"
+    #: The plan runs on a device, but no segment is captured (its skips are reported).
+    UNCAPTURED = "uncaptured"
+    #: The graph works on no CUDA device: nothing to capture.
+    NO_DEVICE = "no-device"
+    #: No CUDA device is available (and no stand-in capturer): CUDA graphs are off.
+    DISABLED = "disabled"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StoredPlan:
     """One aten graph's plan as the cache stores it: its kind, what became of it
-    (``captured``, ``uncaptured``, ``no-device``, ``disabled``) and the plan's JSON."""
+    and the plan's JSON."""
 
     kind: GraphKind
-    outcome: str
+    outcome: PlanOutcome
     plan_json: str
 
     def to_payload(self) -> tuple[tuple[str, str], ...]:
-        return (("kind", self.kind.value), ("outcome", self.outcome), ("plan", self.plan_json))
+        return (
+            ("kind", self.kind.value),
+            ("outcome", self.outcome.value),
+            ("plan", self.plan_json),
+        )
 
     @staticmethod
     def from_payload(item: Sequence[tuple[str, str]]) -> StoredPlan:
         stored = dict(item)
-        return StoredPlan(GraphKind(stored["kind"]), stored["outcome"], stored["plan"])
+        return StoredPlan(GraphKind(stored["kind"]), PlanOutcome(stored["outcome"]), stored["plan"])
 
 
 @dataclasses.dataclass
 class CudagraphSession:
-    """The CUDA-graph state of one Dynamo graph's compilation: the memory pool its
-    forward and backward share, the plans made (for the cache), the runtimes built.
+    """The CUDA-graph state of one Dynamo graph's compilation, mutable while it
+    compiles: the memory pool its forward and backward share (made at the first
+    captured plan), the plans made (for the cache). A runtime rebuilt from the cache
+    finds it through :func:`cudagraph_session`.
     ``capturer`` and ``device`` come from the pipeline (a ``HostCapturer`` on ``cpu``
     exercises everything without a GPU)."""
 
@@ -198,16 +219,16 @@ def _listener(record: GraphRecordBuilder) -> Callable[[loom_cudagraph.SegmentSta
     return listen
 
 
-def _outcome(session: CudagraphSession, plan: loom_cudagraph.PartitionPlan) -> str:
+def _outcome(session: CudagraphSession, plan: loom_cudagraph.PartitionPlan) -> PlanOutcome:
     if plan.device is None:
-        return "no-device"
+        return PlanOutcome.NO_DEVICE
     if session.capturer is None and not torch.cuda.is_available():
-        return "disabled"
-    return "captured" if plan.captured_segments else "uncaptured"
+        return PlanOutcome.DISABLED
+    return PlanOutcome.CAPTURED if plan.captured_segments else PlanOutcome.UNCAPTURED
 
 
 def _report_plan(
-    record: GraphRecordBuilder, plan: loom_cudagraph.PartitionPlan, outcome: str
+    record: GraphRecordBuilder, plan: loom_cudagraph.PartitionPlan, outcome: PlanOutcome
 ) -> None:
     """The plan's report entries, then (when it runs on a device) its skips logged,
     counted and raised under or_error."""
@@ -231,9 +252,9 @@ def _report_plan(
         record.add_entry(
             "cudagraph", "skip", f"{plan.graph}: {reason}", kind_=reason.kind.value, refusal=reason
         )
-    if outcome == "disabled":
+    if outcome is PlanOutcome.DISABLED:
         record.add_entry("cudagraph", "disabled", f"{plan.graph}: no CUDA device available")
-    elif outcome in ("captured", "uncaptured"):
+    elif outcome in (PlanOutcome.CAPTURED, PlanOutcome.UNCAPTURED):
         loom_cudagraph.report_plan_skips(plan)
 
 
@@ -264,7 +285,7 @@ def compile_segmented(
     outcome = _outcome(session, plan)
     session.plans.append(StoredPlan(kind, outcome, plan.to_json()))
     _report_plan(session.record, plan, outcome)
-    if outcome != "captured":
+    if outcome is not PlanOutcome.CAPTURED:
         return None
     pool = session.pool_for(plan)
     eager = options.codegen == "eager"

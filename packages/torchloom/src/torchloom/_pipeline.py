@@ -5,18 +5,27 @@
     compile_graph(gm, example_inputs, options)
      ├─ snapshot          options, active saved-tensor hooks, grad_hook sites     → Snapshot
      ├─ prepare           hooks traced, resize plan, cache key                    → Prepared
-     ├─ compile_context   the CUDA-graph session; Dynamo's hook inlining off
+     ├─ compile_context   the CUDA-graph session joined; Dynamo's hook inlining off
      ├─ serve_from_cache  a hit: AOTAutograd's stored result, nothing traced     → Compiled
-     │  or compile_cold   AOTAutograd with loom's partition step; per aten graph:
-     │                      loom's passes, then codegen chosen (CUDA-graph segments
-     │                      or the whole graph), then stored in the cache          → Compiled
+     │  or compile_cold   loom's passes over Dynamo's graph, then AOTAutograd with
+     │                      loom's compilers:
+     │                      _partition   partition, saved-tensor hooks placed  → fw, bw, placement
+     │                      compile      per aten graph: loom's passes, then codegen
+     │                                   chosen (CUDA-graph segments or the whole graph)
+     │                      then the result stored in the cache (after the first
+     │                      backward when AOTAutograd compiles it lazily)         → Compiled
      └─ wrap_runtime      resize storage guard, hook guards and pack effects      → callable
 
-Each step takes and returns frozen values; the graph's report builder is the one
-thing every step writes to, and it keeps the plans (``GraphRecord.plan``). Every step is timed into the graph's record behind
-:func:`torchloom.report` with its own time and owner. A step refuses a graph by
-raising :class:`~torchloom.LoomRefusal`: the graph then runs eagerly with the
-reason in the log and the report, or the refusal is raised in strict mode.
+Each step takes and returns frozen values. What is mutable is named: the graph's
+report builder (``Snapshot.record``), which every step writes to and which keeps
+the plans (``GraphRecord.plan``); the graph's :class:`CudagraphSession` (its memory
+pool and plans, passed beside the frozen values); and, within a cold compile, the
+compilers AOTAutograd calls back (:class:`_ColdCompilers`: the placement the
+partition step returned, the graphs compiled so far). Every step is timed into the
+graph's record behind :func:`torchloom.report` with its own time and owner. A step
+refuses a graph by raising :class:`~torchloom.LoomRefusal`: the graph then runs
+eagerly with the reason in the log and the report, or the refusal is raised in
+strict mode.
 :class:`Pipeline` holds the parts a test replaces (a capturer, a store, extra
 passes); ``backend="loom"`` runs the default one.
 """
@@ -25,11 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import logging
-import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch.fx import GraphModule
@@ -38,12 +47,13 @@ import loom_cache
 import loom_cudagraph
 import loom_hops
 import loom_resize
+from loom_sidefx import user_frame
 from torchloom import _torch_compat as compat
 from torchloom._aot_cache import AotCacheSlot, CacheNotServed, aot_cache_slot
 from torchloom._cache import (
     CacheLookup,
     CacheRun,
-    backward_compiled,
+    StoreAfterBackward,
     cache_key,
     cache_store,
     finish_cold,
@@ -83,6 +93,7 @@ from torchloom._values import Codegen, ExampleInputs, GraphKind, Snapshot
 
 __all__ = [
     "Compiled",
+    "CompiledSource",
     "DynamoPass",
     "GraphPass",
     "PartitionPass",
@@ -170,7 +181,15 @@ class Prepared:
     hooks: HooksPlan
     resize: loom_resize.ResizePlan
     key: loom_cache.CacheKey | loom_cache.CacheBypass
-    cudagraph: CudagraphSession = dataclasses.field(compare=False)
+
+
+class CompiledSource(enum.Enum):
+    """Where a compiled graph came from."""
+
+    #: Served from loom's cache: nothing traced, partitioned or generated.
+    CACHE = "cache"
+    #: Compiled cold: AOTAutograd with loom's partition step, passes and codegen.
+    COLD = "cold"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -179,7 +198,7 @@ class Compiled:
     placement did while compiling (nothing on a hit: the placement is in the graphs)."""
 
     fn: Callable[..., Any]
-    source: str  # "cache" or "cold"
+    source: CompiledSource
     hooks: HookPlacement = dataclasses.field(default_factory=HookPlacement)
 
 
@@ -207,10 +226,17 @@ def compile_graph(
     snapshot = take_snapshot(gm, example_inputs, options, record)
     try:
         prepared = prepare(parts, snapshot)
-        with compile_context(prepared):
-            served = serve_from_cache(parts, prepared)
+        # NOTE: mutable, so not part of ``Prepared``: the memory pool and plans of the
+        # graph's CUDA graphs, filled while serving or compiling.
+        session = CudagraphSession(
+            snapshot.graph_id, record, parts.capturer, parts.cudagraph_device
+        )
+        with compile_context(prepared, session):
+            served = serve_from_cache(parts, prepared, session)
             compiled = (
-                served if isinstance(served, Compiled) else compile_cold(parts, prepared, served)
+                served
+                if isinstance(served, Compiled)
+                else compile_cold(parts, prepared, session, served)
             )
         return wrap_runtime(prepared, compiled)
     except compat.CONTROL_FLOW_EXCEPTIONS as signal:
@@ -260,19 +286,20 @@ def prepare(parts: Pipeline, snapshot: Snapshot) -> Prepared:
     record.add_plan("hooks", hooks)
     record.add_plan("resize", resize)
     record.add_plan("cache", key)
-    session = CudagraphSession(snapshot.graph_id, record, parts.capturer, parts.cudagraph_device)
-    return Prepared(snapshot, hooks, resize, key, session)
+    return Prepared(snapshot, hooks, resize, key)
 
 
 @contextlib.contextmanager
-def compile_context(prepared: Prepared) -> Any:
+def compile_context(prepared: Prepared, session: CudagraphSession) -> Any:
     """Around serving or compiling: the CUDA-graph session runtimes join, and Dynamo's
     own saved-tensor hook inlining off where loom places (or refuses) the pair."""
-    with cudagraph_session(prepared.cudagraph), hooks_compile_context(prepared.hooks):
+    with cudagraph_session(session), hooks_compile_context(prepared.hooks):
         yield
 
 
-def serve_from_cache(parts: Pipeline, prepared: Prepared) -> Compiled | CacheLookup | None:
+def serve_from_cache(
+    parts: Pipeline, prepared: Prepared, session: CudagraphSession
+) -> Compiled | CacheLookup | None:
     """Step 3a: a hit serves AOTAutograd's stored result (no tracing, no passes, no
     codegen) and replays the cold compilation's report. Otherwise it returns the
     lookup that missed, with the reason (``None``: the graph bypasses the cache)."""
@@ -286,29 +313,29 @@ def serve_from_cache(parts: Pipeline, prepared: Prepared) -> Compiled | CacheLoo
     slot = AotCacheSlot(key=f"loom-{key.digest}", load=lookup.artifact.aot_result, serve_only=True)
     try:
         with aot_cache_slot(slot), grad_hooks_context(prepared.snapshot):
-            fn = _aot_call(parts, prepared, served=True)
+            fn = _aot_serve(prepared.snapshot)
     except CacheNotServed:
         reason = f"stored artifact could not be served: {slot.load_error}"
         log.warning("graph %d: %s", record.graph_id, reason)
         return dataclasses.replace(lookup, artifact=None, reason=reason)
     with record.timed("cache.replay"):
         replay_artifact(
-            record,
-            lookup.artifact,
-            {"cudagraph": functools.partial(replay_plans, prepared.cudagraph)},
+            record, lookup.artifact, {"cudagraph": functools.partial(replay_plans, session)}
         )
         record_hit(record, lookup)
-    return Compiled(fn, "cache")
+    return Compiled(fn, CompiledSource.CACHE)
 
 
-def compile_cold(parts: Pipeline, prepared: Prepared, lookup: CacheLookup | None) -> Compiled:
+def compile_cold(
+    parts: Pipeline, prepared: Prepared, session: CudagraphSession, lookup: CacheLookup | None
+) -> Compiled:
     """Step 3b: AOTAutograd with loom's partition step and per-graph passes and
     codegen; with a cache key (``lookup`` missed), the result is stored, after the
     first backward when AOTAutograd compiles that lazily."""
     record = prepared.snapshot.record
     if lookup is None:
         with grad_hooks_context(prepared.snapshot):
-            return _compile_cold(parts, prepared, None)
+            return _compile_cold(parts, prepared, session, None)[0]
     slot = AotCacheSlot(key=f"loom-{lookup.key.digest}")
     built = record.build()
     run = CacheRun(
@@ -316,14 +343,16 @@ def compile_cold(parts: Pipeline, prepared: Prepared, lookup: CacheLookup | None
         slot,
         len(built.entries),
         len(built.graphs),
-        lambda: {"cudagraph": prepared.cudagraph.payload()},
+        lambda: {"cudagraph": session.payload()},
     )
     with aot_cache_slot(slot), grad_hooks_context(prepared.snapshot):
-        compiled = _compile_cold(parts, prepared, run)
-    if prepared.hooks.refused or prepared.hooks.past_limit or compiled.hooks.refused:
-        run.not_cacheable = "the hooks stay eager"
+        compiled, compilers = _compile_cold(parts, prepared, session, run)
+    hooks = prepared.hooks
+    eager_hooks = hooks.refused or hooks.past_limit or compiled.hooks.refused
     with record.timed("cache.store"):
-        finish_cold(record, run)
+        compilers.after_backward = finish_cold(
+            record, run, compilers.compiled, "the hooks stay eager" if eager_hooks else None
+        )
     return compiled
 
 
@@ -335,20 +364,25 @@ def wrap_runtime(prepared: Prepared, compiled: Compiled) -> Callable[..., Any]:
         return wrap_hooks_runtime(fn, prepared.hooks, compiled.hooks)
 
 
-# --- the cold compile -----------------------------------------------------------------------
+# --- AOTAutograd: serving and compiling -----------------------------------------------------
 
 
-class _Cold:
-    """The cold compile's builder: what the hook placement did (set by the partition step)."""
+def _aot_serve(snapshot: Snapshot) -> Callable[..., Any]:
+    """AOTAutograd serving the stored result its cache slot holds: loom's compilers
+    must not run, and a traced result needs no decompositions."""
+    backend = compat.aot_autograd(
+        **_REFUSING_COMPILERS, decompositions={}, keep_inference_input_mutations=True
+    )
+    return _run_aot(snapshot, snapshot.gm, backend, "served from loom's cache")
 
-    def __init__(self) -> None:
-        self.hooks = HookPlacement()
 
-
-def _compile_cold(parts: Pipeline, prepared: Prepared, run: CacheRun | None) -> Compiled:
+def _compile_cold(
+    parts: Pipeline, prepared: Prepared, session: CudagraphSession, run: CacheRun | None
+) -> tuple[Compiled, _ColdCompilers]:
+    """Loom's passes over Dynamo's graph, then AOTAutograd with loom's compilers."""
     snapshot = prepared.snapshot
-    record = snapshot.record
-    cold = _Cold()
+    record, example_inputs = snapshot.record, snapshot.example_inputs
+    inductor = snapshot.options.codegen == "inductor"
     with record.timed("pipeline"):
         gm = snapshot.gm
         with record.timed("hooks.order_tensor_hooks"):
@@ -357,47 +391,31 @@ def _compile_cold(parts: Pipeline, prepared: Prepared, run: CacheRun | None) -> 
             gm = rewrite_fills(snapshot, gm, prepared.resize)
         for dynamo_pass in parts.dynamo_passes:
             gm = dynamo_pass(gm)
-        fn = _aot_call(parts, prepared, served=False, gm=gm, cold=cold, run=run)
-    return Compiled(fn, "cold", cold.hooks)
-
-
-def _aot_call(
-    parts: Pipeline,
-    prepared: Prepared,
-    *,
-    served: bool,
-    gm: GraphModule | None = None,
-    cold: _Cold | None = None,
-    run: CacheRun | None = None,
-) -> Callable[..., Any]:
-    """AOTAutograd on the graph: with loom's compilers (cold), or serving the stored
-    result its cache slot holds (``served``: the compilers must not run)."""
-    snapshot = prepared.snapshot
-    options, record, example_inputs = snapshot.options, snapshot.record, snapshot.example_inputs
-    inductor = options.codegen == "inductor"
-    gm = snapshot.gm if gm is None else gm
-    if served:
-        compilers = _refusing_compilers()
-    else:
-        assert cold is not None
         if inductor:
             with record.timed("inductor.pre_grad", owner="torch"):
                 gm = compat.inductor_pre_grad_passes(gm, example_inputs)
-        compilers = _ColdCompilers(parts, prepared, cold, run, gm).as_kwargs()
-    backend = compat.aot_autograd(
-        **compilers,
-        # NOTE: a served result was traced already: its decompositions are not needed.
-        decompositions=compat.inductor_decompositions() if inductor and not served else {},
-        keep_inference_input_mutations=True,
-    )
-    detail = "served from loom's cache" if served else "trace, partition and forward codegen"
+        compilers = _ColdCompilers(parts, prepared, session, run, gm)
+        backend = compat.aot_autograd(
+            **compilers.as_kwargs(),
+            decompositions=compat.inductor_decompositions() if inductor else {},
+            keep_inference_input_mutations=True,
+        )
+        fn = _run_aot(snapshot, gm, backend, "trace, partition and forward codegen")
+    return Compiled(fn, CompiledSource.COLD, compilers.placement), compilers
+
+
+def _run_aot(
+    snapshot: Snapshot, gm: GraphModule, backend: Callable[..., Any], detail: str
+) -> Callable[..., Any]:
+    """Run AOTAutograd's ``backend`` on ``gm``; a failure is a refusal (``AOT_FAILED``)."""
+    options, record, example_inputs = snapshot.options, snapshot.record, snapshot.example_inputs
     try:
         with (
             record.timed("aot", detail, owner="torch"),
             compat.codegen_context(example_inputs),
             compat.inductor_config.patch(max_autotune=options.max_autotune),
         ):
-            return backend(gm, example_inputs)
+            return backend(gm, example_inputs)  # type: ignore[no-any-return]
     except (LoomRefusal, CacheNotServed):
         raise
     except compat.CONTROL_FLOW_EXCEPTIONS:
@@ -418,31 +436,103 @@ def _aot_call(
         ) from err
 
 
-def _refusing_compilers() -> dict[str, Any]:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a graph served from loom's cache compiles nothing")
+def _refuse_to_compile(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("a graph served from loom's cache compiles nothing")
 
-    return {
-        "fw_compiler": refuse,
-        "bw_compiler": refuse,
-        "inference_compiler": refuse,
-        "partition_fn": refuse,
-    }
+
+_REFUSING_COMPILERS: Final = {
+    "fw_compiler": _refuse_to_compile,
+    "bw_compiler": _refuse_to_compile,
+    "inference_compiler": _refuse_to_compile,
+    "partition_fn": _refuse_to_compile,
+}
+
+
+def _partition(
+    parts: Pipeline,
+    prepared: Prepared,
+    inductor: bool,
+    joint: GraphModule,
+    joint_inputs: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> tuple[GraphModule, GraphModule, HookPlacement]:
+    """AOTAutograd's partition step, then the saved-tensor hooks placed: the forward,
+    the backward, and what the placement did."""
+    snapshot = prepared.snapshot
+    record = snapshot.record
+    if graphs_log.isEnabledFor(logging.DEBUG):  # nothing runs the joint graph's code
+        with record.timed("report.graphs"):
+            _show(record, "joint", joint)
+    with record.timed("partition", owner="torch"):
+        if inductor:
+            fw, bw = compat.inductor_partition(joint, joint_inputs, **kwargs)
+        else:
+            fw, bw = compat.eager_partition(joint, joint_inputs, **kwargs)
+    with record.timed("hooks.place"):
+        placement = place_hooks(snapshot, prepared.hooks, fw, bw, parts.place_saved_tensor_hooks)
+    for partition_pass in parts.partition_passes:
+        fw, bw = partition_pass(fw, bw)
+    return fw, bw, placement
+
+
+def _graph_passes(
+    parts: Pipeline, snapshot: Snapshot, kind: GraphKind, g: GraphModule
+) -> GraphModule:
+    """Loom's passes over one aten graph, then the pipeline's extra ones."""
+    record, options = snapshot.record, snapshot.options
+    with record.timed("hooks.inline"):
+        g = inline_hook_graphs(g)
+    with record.timed("resize.passes"):
+        g = resize_passes(record, options, g, kind)
+    with record.timed("grad_hooks.inline"):
+        g = inline_grad_hooks(record, options, g, kind)
+    for graph_pass in parts.graph_passes:
+        g = graph_pass(kind, g)
+    with record.timed("report.graphs"):
+        _show(record, kind.value, g)
+    return g
+
+
+def _inductor_codegen(
+    kwargs: Mapping[str, Any], g: GraphModule, inputs: Sequence[Any], static_idxs: Sequence[int]
+) -> Callable[..., Any]:
+    """Inductor's inner compile as a :data:`Codegen` (``kwargs``: what Inductor passed)."""
+    kw = {**kwargs, "static_input_idxs": list(static_idxs)}
+    return compat.inductor_compile_inner(g, inputs, **kw)  # type: ignore[no-any-return]
+
+
+def _timed_codegen(
+    record: GraphRecordBuilder,
+    kind: GraphKind,
+    codegen_name: str,
+    base: Codegen,
+    g: GraphModule,
+    inputs: Sequence[Any],
+    static_idxs: Sequence[int],
+) -> Callable[..., Any]:
+    with record.timed(f"codegen.{kind.value}", codegen_name, owner="torch"):
+        return base(g, inputs, static_idxs)
 
 
 class _ColdCompilers:
     """AOTAutograd's partition step and per-graph compilers for one cold compile:
-    loom's passes on each aten graph, then the codegen choice."""
+    loom's passes on each aten graph, then the codegen choice.
+
+    AOTAutograd calls them back one at a time, so this is the cold compile's one
+    mutable object: ``placement`` is what :func:`_partition` returned (the compilers
+    read it), ``compiled`` the aten graphs compiled so far, and ``after_backward``
+    stores the cache entry once a lazily compiled backward is generated.
+    """
 
     def __init__(
         self,
         parts: Pipeline,
         prepared: Prepared,
-        cold: _Cold,
+        session: CudagraphSession,
         run: CacheRun | None,
         gm: GraphModule,
     ) -> None:
-        self.parts, self.prepared, self.cold, self.run = parts, prepared, cold, run
+        self.parts, self.prepared, self.session, self.run = parts, prepared, session, run
         self.snapshot = prepared.snapshot
         self.num_dynamo_inputs = len(self.snapshot.example_inputs)
         self.num_orig_outputs = compat.num_model_outputs(gm)
@@ -451,6 +541,9 @@ class _ColdCompilers:
             # Inductor's own set-up: every Inductor compile pays it, loom or not.
             with self.snapshot.record.timed("inductor.setup", owner="torch"):
                 self.inductor_state = compat.InductorCompileState(gm)
+        self.placement = HookPlacement()
+        self.compiled: set[GraphKind] = set()
+        self.after_backward: StoreAfterBackward | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         return {
@@ -461,55 +554,25 @@ class _ColdCompilers:
         }
 
     def partition(self, joint: GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        """AOTAutograd's partition step, then the saved-tensor hooks placed."""
-        record = self.snapshot.record
-        if graphs_log.isEnabledFor(logging.DEBUG):  # nothing runs the joint graph's code
-            with record.timed("report.graphs"):
-                _show(record, "joint", joint)
-        with record.timed("partition", owner="torch"):
-            if self.inductor_state is not None:
-                fw, bw = compat.inductor_partition(joint, joint_inputs, **kwargs)
-            else:
-                fw, bw = compat.eager_partition(joint, joint_inputs, **kwargs)
-        with record.timed("hooks.place"):
-            self.cold.hooks = place_hooks(
-                self.snapshot, self.prepared.hooks, fw, bw, self.parts.place_saved_tensor_hooks
-            )
-        for partition_pass in self.parts.partition_passes:
-            fw, bw = partition_pass(fw, bw)
+        inductor = self.inductor_state is not None
+        fw, bw, self.placement = _partition(
+            self.parts, self.prepared, inductor, joint, joint_inputs, kwargs
+        )
         return fw, bw
 
     def compile(self, kind: GraphKind, g: GraphModule, inputs: Sequence[Any]) -> Any:
         """One aten graph: loom's passes, then codegen (Inductor's wrappers around it)."""
         snapshot = self.snapshot
-        record, options = snapshot.record, snapshot.options
-        with record.timed("hooks.inline"):
-            g = inline_hook_graphs(g)
-        with record.timed("resize.passes"):
-            g = resize_passes(record, options, g, kind)
-        with record.timed("grad_hooks.inline"):
-            g = inline_grad_hooks(record, options, g, kind)
-        for graph_pass in self.parts.graph_passes:
-            g = graph_pass(kind, g)
-        with record.timed("report.graphs"):
-            _show(record, kind.value, g)
-        with record.timed(f"compile.{kind.value}", options.codegen, owner="torch"):
+        g = _graph_passes(self.parts, snapshot, kind, g)
+        codegen = snapshot.options.codegen
+        with snapshot.record.timed(f"compile.{kind.value}", codegen, owner="torch"):
             state = self.inductor_state
             if state is None:
                 static = compat.static_input_indices(
                     kind is GraphKind.BACKWARD, g, inputs, self.num_dynamo_inputs
                 )
                 return self.finish(kind, g, inputs, static, self.parts.eager_codegen)
-
-            def inner(g2: GraphModule, inputs2: Sequence[Any], **kwargs: Any) -> Any:
-                def codegen(
-                    g3: GraphModule, inputs3: Sequence[Any], static_idxs: Sequence[int]
-                ) -> Callable[..., Any]:
-                    kw = {**kwargs, "static_input_idxs": list(static_idxs)}
-                    return compat.inductor_compile_inner(g3, inputs3, **kw)  # type: ignore[no-any-return]
-
-                return self.finish(kind, g2, inputs2, kwargs.get("static_input_idxs", ()), codegen)
-
+            inner = functools.partial(self.inductor_inner, kind)
             if kind is GraphKind.BACKWARD:
                 return compat.inductor_compile_backward(state, g, inputs, inner_compile=inner)
             return compat.inductor_compile_forward(
@@ -521,6 +584,13 @@ class _ColdCompilers:
                 is_inference=kind is GraphKind.INFERENCE,
                 inner_compile=inner,
             )
+
+    def inductor_inner(
+        self, kind: GraphKind, g: GraphModule, inputs: Sequence[Any], **kwargs: Any
+    ) -> Callable[..., Any]:
+        """Inductor's inner compile: loom's codegen choice, Inductor's lowering as the base."""
+        codegen = functools.partial(_inductor_codegen, kwargs)
+        return self.finish(kind, g, inputs, kwargs.get("static_input_idxs", ()), codegen)
 
     def finish(
         self,
@@ -534,19 +604,13 @@ class _ColdCompilers:
         ``base`` on the whole graph; then the compiled graph's wrappers."""
         snapshot = self.snapshot
         record, options = snapshot.record, snapshot.options
-
-        def timed_codegen(
-            g3: GraphModule, inputs3: Sequence[Any], static3: Sequence[int]
-        ) -> Callable[..., Any]:
-            with record.timed(f"codegen.{kind.value}", options.codegen, owner="torch"):
-                return base(g3, inputs3, static3)
-
-        codegen = in_placement_order(timed_codegen, self.cold.hooks, kind, snapshot.graph_id)
+        timed = functools.partial(_timed_codegen, record, kind, options.codegen, base)
+        codegen = in_placement_order(timed, self.placement, kind, snapshot.graph_id)
         fn: Callable[..., Any] | None = None
         if options.cudagraphs:
             with record.timed("cudagraph.segments"):
                 fn = compile_segmented(
-                    self.prepared.cudagraph,
+                    self.session,
                     options,
                     self.parts.plan_graph,
                     g,
@@ -559,13 +623,13 @@ class _ColdCompilers:
             fn = EagerOutputCode(g)  # serializable, so eager compilations cache too
         if fn is None:
             fn = codegen(g, inputs, static_idxs)
-        fn = with_unpack_effects(fn, self.prepared.hooks, self.cold.hooks, kind)
+        fn = with_unpack_effects(fn, self.prepared.hooks, self.placement, kind)
         for wrap in self.parts.compiled_wrappers:
             fn = wrap(kind, fn)
-        if self.run is not None:
-            self.run.compiled.add(kind)
-            if kind is GraphKind.BACKWARD:
-                backward_compiled(record, self.run)
+        self.compiled.add(kind)
+        if kind is GraphKind.BACKWARD and self.after_backward is not None:
+            store, self.after_backward = self.after_backward, None
+            store()
         return fn
 
 
@@ -626,13 +690,9 @@ def _eager_fallback(
 
 
 def _user_frame(gm: GraphModule) -> str:
-    """file:line of the user source line the graph's first node came from, if known."""
+    """``file:line in fn`` of the user source line the graph's first node came from, if known."""
     for node in gm.graph.nodes:
-        match = _FRAME.findall(node.meta.get("stack_trace") or "")
-        if match:
-            path, line = match[-1]
-            return f"{path}:{line}"
+        frame = user_frame(node.meta.get("stack_trace"))
+        if frame is not None:
+            return str(frame)
     return ""
-
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')

@@ -11,7 +11,7 @@ process-stable fingerprint, or a typed refusal naming the hook's file:line.
 from loom_sidefx import Guard, GuardKind, ReplayPlan
 from loom_tracer._api import trace_hook
 from loom_tracer._predicates import EqualTo, TensorMeta
-from loom_tracer._refusal import HookUnsupported, TraceRefusal
+from loom_tracer._refusal import HookUnsupported, TraceRefusalKind
 from loom_tracer._traced import TracedHook
 
 __version__ = "0.1.0"
@@ -23,7 +23,7 @@ __all__ = [
     "HookUnsupported",
     "ReplayPlan",
     "TensorMeta",
-    "TraceRefusal",
+    "TraceRefusalKind",
     "TracedHook",
     "__version__",
     "trace_hook",

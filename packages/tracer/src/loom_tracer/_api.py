@@ -23,7 +23,7 @@ from . import (
 from ._context import TraceContext
 from ._fingerprint import compute_fingerprint
 from ._frame import inline_call, make_root_function
-from ._refusal import HookUnsupported, Refused, TraceRefusal, refuse
+from ._refusal import HookUnsupported, Refused, TraceRefusalKind, refuse
 from ._traced import TracedHook
 
 log = logging.getLogger("torchloom.hops.tracer")
@@ -43,7 +43,7 @@ def trace_hook(
     func = fn.__func__ if isinstance(fn, types.MethodType) else fn
     if not isinstance(func, types.FunctionType):
         return HookUnsupported(
-            TraceRefusal.UNSUPPORTED_CALL,
+            TraceRefusalKind.UNSUPPORTED_CALL,
             "<hook>",
             f"the hook is a {type(fn).__qualname__}, not a Python function or method",
             "pass a plain function (wrap callables in a def)",
@@ -72,7 +72,7 @@ def trace_hook(
     except Exception as exc:  # a tracer bug must never become a wrong trace
         log.warning("hook tracer failed on %s", func.__qualname__, exc_info=True)
         return HookUnsupported(
-            TraceRefusal.TRACER_ERROR,
+            TraceRefusalKind.TRACER_ERROR,
             ctx.where,
             f"internal error of the hook tracer: {type(exc).__name__}: {exc}",
             "please report this hook; it runs eagerly meanwhile",
@@ -129,7 +129,7 @@ def _lower(ctx: TraceContext, torch_gm: torch.fx.GraphModule) -> torch.fx.GraphM
             if isinstance(target, torch.fx.Node) and target.op == "placeholder":
                 ctx.where = _first_inplace_on_input(torch_gm) or ctx.where
                 raise refuse(
-                    TraceRefusal.INPUT_MUTATION,
+                    TraceRefusalKind.INPUT_MUTATION,
                     "the hook mutates one of its input tensors in place",
                     "use the out-of-place op (e.g. t.mul(2) instead of t.mul_(2))",
                 )

@@ -21,7 +21,7 @@ from ._builtins import builtin, no_kwargs
 from ._calls import call_value
 from ._context import TraceContext, slot
 from ._kinds import is_const, is_symbolic
-from ._refusal import Refused, TraceRefusal, refuse
+from ._refusal import Refused, TraceRefusalKind, refuse
 from ._values import (
     ConstV,
     FunctionV,
@@ -129,7 +129,7 @@ def get_attr(ctx: TraceContext, v: Value, name: str, depth: int) -> Value:
         }[name]
         return ConstV(value)
     raise refuse(
-        TraceRefusal.UNSUPPORTED_ATTRIBUTE,
+        TraceRefusalKind.UNSUPPORTED_ATTRIBUTE,
         f"attribute {name!r} of a {v.py_type.__qualname__} is not supported",
     )
 
@@ -144,9 +144,9 @@ def _tensor_attr(ctx: TraceContext, v: TensorV, name: str) -> Value:
         return ctx.call_torch(getattr, [v, ConstV(name)], {})
     if name in TENSOR_METHOD_DENYLIST:
         raise refuse(
-            TraceRefusal.DATA_DEPENDENT_OP
+            TraceRefusalKind.DATA_DEPENDENT_OP
             if name in ("item", "tolist", "numpy", "equal", "allclose", "is_nonzero")
-            else TraceRefusal.UNSUPPORTED_CALL,
+            else TraceRefusalKind.UNSUPPORTED_CALL,
             f"Tensor.{name} cannot be traced into a graph",
             "keep Python logic on tensor metadata; leave data-dependent or autograd work outside the hook",
         )
@@ -156,7 +156,7 @@ def _tensor_attr(ctx: TraceContext, v: TensorV, name: str) -> Value:
     if name in ("__getitem__", "__add__", "__mul__", "__sub__", "__truediv__", "__neg__"):
         return MethodV(v, name, attr)
     raise refuse(
-        TraceRefusal.UNSUPPORTED_ATTRIBUTE,
+        TraceRefusalKind.UNSUPPORTED_ATTRIBUTE,
         f"tensor attribute {name!r} is not supported",
         "use dtype, shape, device, requires_grad or a Tensor method",
     )
@@ -167,7 +167,7 @@ def _const_attr(ctx: TraceContext, v: ConstV, name: str) -> Value:
     try:
         attr = getattr(value, name)
     except AttributeError as exc:
-        raise refuse(TraceRefusal.HOOK_RAISES, f"AttributeError: {exc}") from None
+        raise refuse(TraceRefusalKind.HOOK_RAISES, f"AttributeError: {exc}") from None
     if isinstance(value, types.ModuleType):
         constant_module = value.__name__.split(".")[0] in (
             "torch",
@@ -181,7 +181,9 @@ def _const_attr(ctx: TraceContext, v: ConstV, name: str) -> Value:
             AttrSource(v.source, name) if v.source is not None and not constant_module else None
         )
         if source is None and isinstance(attr, torch.Tensor):
-            raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"module tensor {value.__name__}.{name}")
+            raise refuse(
+                TraceRefusalKind.UNSUPPORTED_VALUE, f"module tensor {value.__name__}.{name}"
+            )
         if source is None and isinstance(attr, types.FunctionType):
             return ConstV(attr)
         return ctx.wrap(attr, source) if source is not None else _const_or_wrap(ctx, attr)
@@ -198,7 +200,7 @@ def _const_attr(ctx: TraceContext, v: ConstV, name: str) -> Value:
     if is_const(attr):
         return ConstV(attr)
     raise refuse(
-        TraceRefusal.UNSUPPORTED_ATTRIBUTE, f"attribute {name!r} of {type(value).__qualname__}"
+        TraceRefusalKind.UNSUPPORTED_ATTRIBUTE, f"attribute {name!r} of {type(value).__qualname__}"
     )
 
 
@@ -215,7 +217,7 @@ def _object_attr(ctx: TraceContext, v: ObjectV, name: str, depth: int) -> Value:
         written: Value = stored.payload
         return written
     if stored is Missing.ABSENT and not v.ref.is_new:
-        raise refuse(TraceRefusal.HOOK_RAISES, f"AttributeError: {name!r} was deleted")
+        raise refuse(TraceRefusalKind.HOOK_RAISES, f"AttributeError: {name!r} was deleted")
     cls = v.py_type
     static = _static_lookup(cls, name)
     if static is not None and _is_data_descriptor(static):
@@ -223,7 +225,7 @@ def _object_attr(ctx: TraceContext, v: ObjectV, name: str, depth: int) -> Value:
             getter = ctx.function_value(static.fget, None)
             return call_value(ctx, getter, [v], {}, depth)
         raise refuse(
-            TraceRefusal.UNSUPPORTED_ATTRIBUTE,
+            TraceRefusalKind.UNSUPPORTED_ATTRIBUTE,
             f"attribute {name!r} of {cls.__qualname__} is a {type(static).__name__}",
         )
     inst_dict = getattr(v.obj, "__dict__", None) if v.obj is not None else None
@@ -251,9 +253,11 @@ def _object_attr(ctx: TraceContext, v: ObjectV, name: str, depth: int) -> Value:
             return ctx.wrap(getattr(v.obj, name), AttrSource(v.source, name))
         return _const_or_wrap(ctx, static)
     if _static_lookup(cls, "__getattr__") is not None:
-        raise refuse(TraceRefusal.UNSUPPORTED_ATTRIBUTE, f"{cls.__qualname__} defines __getattr__")
+        raise refuse(
+            TraceRefusalKind.UNSUPPORTED_ATTRIBUTE, f"{cls.__qualname__} defines __getattr__"
+        )
     raise refuse(
-        TraceRefusal.HOOK_RAISES,
+        TraceRefusalKind.HOOK_RAISES,
         f"AttributeError: {cls.__qualname__!r} object has no attribute {name!r}",
     )
 
@@ -267,30 +271,30 @@ def _super_attr(ctx: TraceContext, v: SuperV, name: str) -> Value:
             if isinstance(attr, types.FunctionType) or callable(attr):
                 return MethodV(v.self_v, name, attr)
             return _const_or_wrap(ctx, attr)
-    raise refuse(TraceRefusal.HOOK_RAISES, f"AttributeError: super() has no attribute {name!r}")
+    raise refuse(TraceRefusalKind.HOOK_RAISES, f"AttributeError: super() has no attribute {name!r}")
 
 
 def set_attr(ctx: TraceContext, v: Value, name: str, value: Value) -> None:
     """``v.name = value``: a store in the trace's side-effect log."""
     if not isinstance(v, ObjectV):
         raise refuse(
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+            TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
             f"setting attribute {name!r} on a {v.py_type.__qualname__}",
         )
     cls = v.py_type
     if v.obj is None or not hasattr(v.obj, "__dict__"):
         raise refuse(
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+            TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
             f"setting attribute {name!r} on a {cls.__qualname__} without an instance __dict__",
         )
     if slot(cls, "__setattr__") is not object.__setattr__:
         raise refuse(
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"{cls.__qualname__} overrides __setattr__"
+            TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT, f"{cls.__qualname__} overrides __setattr__"
         )
     static = _static_lookup(cls, name)
     if static is not None and _is_data_descriptor(static):
         raise refuse(
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"{cls.__qualname__}.{name} is a descriptor"
+            TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT, f"{cls.__qualname__}.{name} is a descriptor"
         )
     with ctx.log() as se:
         se.store_attr(v.ref, name, Staged(value))
@@ -299,7 +303,7 @@ def set_attr(ctx: TraceContext, v: Value, name: str, value: Value) -> None:
 def del_attr(ctx: TraceContext, v: Value, name: str) -> None:
     """``del v.name``."""
     if not isinstance(v, ObjectV) or slot(v.py_type, "__delattr__") is not object.__delattr__:
-        raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"deleting attribute {name!r}")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT, f"deleting attribute {name!r}")
     get_attr(ctx, v, name, 0)  # AttributeError if it is not there
     with ctx.log() as se:
         se.del_attr(v.ref, name)
@@ -317,7 +321,7 @@ def _getattr(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], dep
     except Refused as exc:
         if (
             len(args) == 3
-            and exc.kind is TraceRefusal.HOOK_RAISES
+            and exc.kind is TraceRefusalKind.HOOK_RAISES
             and exc.explanation.startswith("AttributeError")
         ):
             return args[2]
@@ -330,7 +334,9 @@ def _hasattr(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], dep
     try:
         get_attr(ctx, args[0], ctx.specialize(args[1]), depth)
     except Refused as exc:
-        if exc.kind is TraceRefusal.HOOK_RAISES and exc.explanation.startswith("AttributeError"):
+        if exc.kind is TraceRefusalKind.HOOK_RAISES and exc.explanation.startswith(
+            "AttributeError"
+        ):
             return ConstV(False)
         raise
     return ConstV(True)

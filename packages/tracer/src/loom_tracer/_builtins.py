@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ._context import TraceContext
-from ._refusal import TraceRefusal, refuse
+from ._refusal import TraceRefusalKind, refuse
 from ._values import Value
 
 Builtin = Callable[[TraceContext, list[Value], dict[str, Value], int], Value]
@@ -36,4 +36,4 @@ def builtin(*fns: object) -> Callable[[Builtin], Builtin]:
 def no_kwargs(name: str, kwargs: dict[str, Value]) -> None:
     """Refuse keyword arguments to builtin ``name``."""
     if kwargs:
-        raise refuse(TraceRefusal.UNSUPPORTED_CALL, f"{name}() with keyword arguments")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, f"{name}() with keyword arguments")

@@ -20,7 +20,7 @@ from ._context import TraceContext, operand
 from ._frame import inline_call
 from ._kinds import is_const, is_symbolic
 from ._operators import binary_op, get_item, truthy
-from ._refusal import TraceRefusal, refuse
+from ._refusal import TraceRefusalKind, refuse
 from ._values import (
     ConstV,
     DictV,
@@ -90,7 +90,7 @@ def call_value(
         return ConstV(None)
     if isinstance(fn, ConstV):
         return call_const(ctx, fn.value, args, kwargs, depth)
-    raise refuse(TraceRefusal.UNSUPPORTED_CALL, f"calling a {fn.py_type.__qualname__}")
+    raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, f"calling a {fn.py_type.__qualname__}")
 
 
 def call_method(
@@ -105,7 +105,7 @@ def call_method(
         return ctx.call_torch(None, [self_v, *args], kwargs, method=name)
     if kwargs and not isinstance(self_v, ConstV):
         raise refuse(
-            TraceRefusal.UNSUPPORTED_CALL,
+            TraceRefusalKind.UNSUPPORTED_CALL,
             f"{self_v.py_type.__qualname__}.{name} with keyword arguments",
         )
     if isinstance(self_v, ListV) and func in (getattr(list, name, None), None):
@@ -126,7 +126,7 @@ def call_method(
             return call_value(ctx, ctx.function_value(func, None), [self_v, *args], kwargs, depth)
         if not is_const(value) and not isinstance(value, (torch.finfo, torch.iinfo)):
             raise refuse(
-                TraceRefusal.UNSUPPORTED_CALL, f"method {name} of a {type(value).__qualname__}"
+                TraceRefusalKind.UNSUPPORTED_CALL, f"method {name} of a {type(value).__qualname__}"
             )
         result = python_op(
             getattr(value, name),
@@ -135,11 +135,13 @@ def call_method(
         )
         if not (is_const(result) or is_symbolic(result)):
             raise refuse(
-                TraceRefusal.UNSUPPORTED_CALL,
+                TraceRefusalKind.UNSUPPORTED_CALL,
                 f"{type(value).__qualname__}.{name} returned a {type(result).__qualname__}",
             )
         return ConstV(result)
-    raise refuse(TraceRefusal.UNSUPPORTED_CALL, f"method {name} of a {self_v.py_type.__qualname__}")
+    raise refuse(
+        TraceRefusalKind.UNSUPPORTED_CALL, f"method {name} of a {self_v.py_type.__qualname__}"
+    )
 
 
 def _is_torch_callable(fn: Any) -> bool:
@@ -164,7 +166,7 @@ def call_const(
         return impl(ctx, args, kwargs, depth)
     if fn is torch.no_grad or fn is torch.enable_grad:
         if args or kwargs:
-            raise refuse(TraceRefusal.UNSUPPORTED_CALL, f"{fn.__name__} with arguments")
+            raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, f"{fn.__name__} with arguments")
         return GradModeV(fn is torch.enable_grad)
     if fn is torch.is_grad_enabled:
         return ConstV(ctx.grad_enabled)
@@ -180,13 +182,13 @@ def call_const(
     if module in ("_operator", "operator") and _mutates_in_place(fn):
         if not (args and isinstance(args[0], TensorV)):
             raise refuse(
-                TraceRefusal.UNSUPPORTED_CALL, f"operator.{fn.__name__} on a Python object"
+                TraceRefusalKind.UNSUPPORTED_CALL, f"operator.{fn.__name__} on a Python object"
             )
     if module in ("math", "_operator", "operator") and callable(fn):
         if any(isinstance(a, TensorV) for a in args):
             if module == "math":
                 raise refuse(
-                    TraceRefusal.TENSOR_VALUE_CONTROL_FLOW, f"math.{fn.__name__} on a tensor"
+                    TraceRefusalKind.TENSOR_VALUE_CONTROL_FLOW, f"math.{fn.__name__} on a tensor"
                 )
             return ctx.call_torch(fn, args, kwargs)
         return ConstV(python_op(fn, *[python_value(ctx, a) for a in args]))
@@ -195,18 +197,18 @@ def call_const(
     name = getattr(fn, "__qualname__", type(fn).__qualname__)
     if fn is print:
         raise refuse(
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+            TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
             "print() inside a hook",
             "append to a list and print it outside the compiled region",
         )
     if isinstance(fn, type):
         raise refuse(
-            TraceRefusal.UNSUPPORTED_CALL,
+            TraceRefusalKind.UNSUPPORTED_CALL,
             f"creating an instance of {name} inside a hook",
             "create objects outside the hook and mutate them inside",
         )
     raise refuse(
-        TraceRefusal.UNSUPPORTED_CALL,
+        TraceRefusalKind.UNSUPPORTED_CALL,
         f"calling {getattr(fn, '__module__', '?')}.{name} is not supported",
     )
 
@@ -238,7 +240,7 @@ def _len(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: 
     ctx.require_base_protocol(x, "__len__")
     if isinstance(x, TensorV):
         if x.fake.dim() == 0:
-            raise refuse(TraceRefusal.HOOK_RAISES, "TypeError: len() of a 0-d tensor")
+            raise refuse(TraceRefusalKind.HOOK_RAISES, "TypeError: len() of a 0-d tensor")
         return ctx.call_torch(None, [x, ConstV(0)], {}, method="size")  # len() would specialize
     if isinstance(x, DictV):
         return ConstV(len(ctx.dict_items(x)))
@@ -261,14 +263,14 @@ def _isinstance(
         isinstance(c, type) and issubclass(c, torch.Tensor) and c is not torch.Tensor
         for c in classes
     ):
-        raise refuse(TraceRefusal.UNSUPPORTED_CALL, "isinstance() against a Tensor subclass")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, "isinstance() against a Tensor subclass")
     return ConstV(python_op(issubclass, ctx.type_of(x), cls))
 
 
 @builtin(type)
 def _type(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
     if len(args) != 1 or kwargs:
-        raise refuse(TraceRefusal.UNSUPPORTED_CALL, "type() with more than one argument")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, "type() with more than one argument")
     return ConstV(ctx.type_of(args[0]))
 
 
@@ -282,7 +284,7 @@ def _make_min_max(fn: Callable[..., Any]) -> Builtin:
         items = _items_of(ctx, args)
         if any(isinstance(x, TensorV) for x in items):
             raise refuse(
-                TraceRefusal.TENSOR_VALUE_CONTROL_FLOW,
+                TraceRefusalKind.TENSOR_VALUE_CONTROL_FLOW,
                 f"{fn.__name__}() compares tensors by value",
                 "use torch.maximum / torch.minimum",
             )
@@ -316,7 +318,9 @@ def _zip(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: 
     no_kwargs("zip", kwargs)
     seqs = [ctx.sequence_items(a) for a in args]
     if strict and len({len(s) for s in seqs}) > 1:
-        raise refuse(TraceRefusal.HOOK_RAISES, "ValueError: zip() arguments have different lengths")
+        raise refuse(
+            TraceRefusalKind.HOOK_RAISES, "ValueError: zip() arguments have different lengths"
+        )
     return IteratorV([TupleV(tuple(group)) for group in zip(*seqs, strict=False)])
 
 
@@ -337,11 +341,11 @@ def _next(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth:
     no_kwargs("next", kwargs)
     it = args[0]
     if not isinstance(it, IteratorV):
-        raise refuse(TraceRefusal.UNSUPPORTED_CALL, f"next() on a {it.py_type.__qualname__}")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, f"next() on a {it.py_type.__qualname__}")
     if it.pos >= len(it.items):
         if len(args) == 2:
             return args[1]
-        raise refuse(TraceRefusal.HOOK_RAISES, "StopIteration")
+        raise refuse(TraceRefusalKind.HOOK_RAISES, "StopIteration")
     it.pos += 1
     return it.items[it.pos - 1]
 
@@ -456,9 +460,9 @@ def _filter(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], dept
 def _make_refused(fn: Callable[..., Any]) -> Builtin:
     def impl(ctx: TraceContext, args: list[Value], kwargs: dict[str, Value], depth: int) -> Value:
         kind = (
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT
+            TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT
             if fn in (print, input, open)
-            else TraceRefusal.UNSUPPORTED_CALL
+            else TraceRefusalKind.UNSUPPORTED_CALL
         )
         raise refuse(
             kind,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._context import TraceContext
-from ._refusal import TraceRefusal, refuse
+from ._refusal import TraceRefusalKind, refuse
 from ._values import DictV, IteratorV, ListV, SetV, TupleV, Value
 
 
@@ -22,7 +22,7 @@ def python_op(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except Exception as exc:
-        raise refuse(TraceRefusal.HOOK_RAISES, f"{type(exc).__name__}: {exc}") from None
+        raise refuse(TraceRefusalKind.HOOK_RAISES, f"{type(exc).__name__}: {exc}") from None
 
 
 def python_value(ctx: TraceContext, v: Value) -> Any:

@@ -14,7 +14,7 @@ from loom_sidefx import Staged
 
 from ._constants import python_op, python_value
 from ._context import TraceContext
-from ._refusal import TraceRefusal, refuse
+from ._refusal import TraceRefusalKind, refuse
 from ._values import ConstV, DictV, IteratorV, ListV, SetV, TupleV, Value
 
 
@@ -46,7 +46,7 @@ def call_list_method(ctx: TraceContext, lst: ListV, name: str, args: list[Value]
     if name == "pop" and len(args) <= 1:
         idx = ctx.specialize(args[0]) if args else -1
         if not items:
-            raise refuse(TraceRefusal.HOOK_RAISES, "IndexError: pop from empty list")
+            raise refuse(TraceRefusalKind.HOOK_RAISES, "IndexError: pop from empty list")
         norm = python_op(lambda: range(len(items))[idx])
         with ctx.log() as se:
             se.list_delitem(lst.ref, norm)
@@ -63,7 +63,7 @@ def call_list_method(ctx: TraceContext, lst: ListV, name: str, args: list[Value]
             return ctx.new_list(items)
         plain = [python_value(ctx, x) for x in items]
         return ConstV(python_op(getattr(plain, name), *[python_value(ctx, a) for a in args]))
-    raise refuse(TraceRefusal.UNSUPPORTED_CALL, f"list.{name} with {len(args)} arguments")
+    raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, f"list.{name} with {len(args)} arguments")
 
 
 def call_dict_method(ctx: TraceContext, d: DictV, name: str, args: list[Value]) -> Value:
@@ -89,7 +89,7 @@ def call_dict_method(ctx: TraceContext, d: DictV, name: str, args: list[Value]) 
         if key not in items:
             if len(args) == 2:
                 return args[1]
-            raise refuse(TraceRefusal.HOOK_RAISES, f"KeyError: {key!r}")
+            raise refuse(TraceRefusalKind.HOOK_RAISES, f"KeyError: {key!r}")
         with ctx.log() as se:
             se.dict_delitem(d.ref, key)
         return items[key]
@@ -112,7 +112,7 @@ def call_dict_method(ctx: TraceContext, d: DictV, name: str, args: list[Value]) 
         return ConstV(None)
     if name == "copy" and not args:
         return ctx.new_dict(items.items())
-    raise refuse(TraceRefusal.UNSUPPORTED_CALL, f"dict.{name} with {len(args)} arguments")
+    raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, f"dict.{name} with {len(args)} arguments")
 
 
 def set_item(ctx: TraceContext, d: DictV, key: Any, value: Value) -> None:
@@ -135,7 +135,7 @@ def call_set_method(ctx: TraceContext, s: SetV, name: str, args: list[Value]) ->
         return ConstV(None)
     if name == "copy" and not args:
         return ctx.new_set(items)
-    raise refuse(TraceRefusal.UNSUPPORTED_CALL, f"set.{name} with {len(args)} arguments")
+    raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, f"set.{name} with {len(args)} arguments")
 
 
 def iterate(ctx: TraceContext, v: Value) -> IteratorV:

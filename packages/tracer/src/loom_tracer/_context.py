@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.fx
 
-from loom_cells import Cell, CellModel, CellRefusal, CellRefused
+from loom_cells import Cell, CellModel, CellRefusalKind, CellRefused
 from loom_sidefx import (
     AttrSource,
     CellContentsSource,
@@ -35,7 +35,7 @@ from loom_sidefx import (
     Ref,
     ReplayPlan,
     SameElements,
-    SideEffectRefusal,
+    SideEffectRefusalKind,
     SideEffectRefused,
     SideEffects,
     Source,
@@ -49,7 +49,7 @@ from . import _torch_compat
 from ._effects import PlanRecorder
 from ._kinds import SYMBOLIC_TYPES, is_const, is_symbolic
 from ._predicates import EqualTo, TensorMeta
-from ._refusal import Refused, TraceRefusal, refuse
+from ._refusal import Refused, TraceRefusalKind, refuse
 from ._values import (
     ConstV,
     DictV,
@@ -136,27 +136,27 @@ def cell_guard_policy(value: object) -> GuardKind | None:
 def cell_refusal(exc: CellRefused) -> Refused:
     """The tracer's refusal for a refusal of the cell model."""
     u = exc.reason
-    if u.kind is CellRefusal.EMPTY_CELL:
-        kind = TraceRefusal.HOOK_RAISES
-    elif u.kind is CellRefusal.NO_SOURCE:
-        kind = TraceRefusal.UNSUPPORTED_SIDE_EFFECT
+    if u.kind is CellRefusalKind.EMPTY_CELL:
+        kind = TraceRefusalKind.HOOK_RAISES
+    elif u.kind is CellRefusalKind.NO_SOURCE:
+        kind = TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT
     else:
-        kind = TraceRefusal.TRACER_ERROR
+        kind = TraceRefusalKind.TRACER_ERROR
     refused = refuse(kind, u.explanation, u.hint)
     refused.where = u.where or None
     return refused
 
 
 _SIDE_EFFECT_REFUSAL = {
-    SideEffectRefusal.WOULD_RAISE: TraceRefusal.HOOK_RAISES,
-    SideEffectRefusal.UNSUPPORTED_KEY: TraceRefusal.UNSUPPORTED_VALUE,
+    SideEffectRefusalKind.WOULD_RAISE: TraceRefusalKind.HOOK_RAISES,
+    SideEffectRefusalKind.UNSUPPORTED_KEY: TraceRefusalKind.UNSUPPORTED_VALUE,
 }
 
 
 def side_effect_refusal(exc: SideEffectRefused) -> Refused:
     """The tracer's refusal for a refusal of the side-effect log met while tracing."""
     u = exc.reason
-    kind = _SIDE_EFFECT_REFUSAL.get(u.kind, TraceRefusal.UNSUPPORTED_SIDE_EFFECT)
+    kind = _SIDE_EFFECT_REFUSAL.get(u.kind, TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT)
     refused = refuse(kind, u.explanation, u.hint)
     refused.where = u.where or None
     return refused
@@ -221,7 +221,7 @@ class TraceContext:
         if isinstance(v, ConstV):
             if is_symbolic(v.value):
                 raise refuse(
-                    TraceRefusal.UNSUPPORTED_VALUE,
+                    TraceRefusalKind.UNSUPPORTED_VALUE,
                     f"a symbolic size ({v.value}) is used as a Python value (branch, format, key or state)",
                     "use it only in tensor operations, or trace with static shapes",
                 )
@@ -232,20 +232,20 @@ class TraceContext:
             return v.value
         if isinstance(v, SymV):
             raise refuse(
-                TraceRefusal.UNSUPPORTED_VALUE,
+                TraceRefusalKind.UNSUPPORTED_VALUE,
                 f"a symbolic size ({v.value}) is used as a Python value (branch, format, key or state)",
                 "use it only in tensor operations, or trace with static shapes",
             )
         if isinstance(v, TensorV):
             raise refuse(
-                TraceRefusal.TENSOR_VALUE_CONTROL_FLOW,
+                TraceRefusalKind.TENSOR_VALUE_CONTROL_FLOW,
                 "a tensor's value is used as a Python value (branch, bool, int, format or key)",
                 "branch on tensor metadata (dtype, shape, device) instead, or use torch.where",
             )
         if isinstance(v, TupleV):
             return tuple(self.specialize(x) for x in v.items)
         raise refuse(
-            TraceRefusal.UNSUPPORTED_VALUE,
+            TraceRefusalKind.UNSUPPORTED_VALUE,
             f"a {v.py_type.__name__} is used where a constant is needed",
         )
 
@@ -304,7 +304,7 @@ class TraceContext:
             return ConstV(obj, source)
         if isinstance(obj, torch.nn.Module):
             raise refuse(
-                TraceRefusal.UNSUPPORTED_VALUE,
+                TraceRefusalKind.UNSUPPORTED_VALUE,
                 f"an nn.Module ({type(obj).__qualname__}) is read by the hook",
                 "pass the module's tensors or settings to the hook through a closure instead",
             )
@@ -323,7 +323,7 @@ class TraceContext:
             ref = self.side_effects.track_existing(obj, source)
             return self.remember(obj, ObjectV(obj, ref, source))
         raise refuse(
-            TraceRefusal.UNSUPPORTED_VALUE,
+            TraceRefusalKind.UNSUPPORTED_VALUE,
             f"cannot model a {cls.__module__}.{cls.__qualname__} read from {source}",
         )
 
@@ -345,7 +345,7 @@ class TraceContext:
     def tensor_input(self, t: torch.Tensor, source: Source | None) -> TensorV:
         if source is None:
             raise refuse(
-                TraceRefusal.UNSUPPORTED_VALUE, "a tensor with no source (a default value?)"
+                TraceRefusalKind.UNSUPPORTED_VALUE, "a tensor with no source (a default value?)"
             )
         self.guard(source, GuardKind.PREDICATE, TensorMeta.of(t))
         fake = _torch_compat.to_fake(self.fake_mode, t)
@@ -441,7 +441,7 @@ class TraceContext:
         for name in dunders:
             if slot(cls, name) is not slot(base, name):
                 raise refuse(
-                    TraceRefusal.UNSUPPORTED_VALUE,
+                    TraceRefusalKind.UNSUPPORTED_VALUE,
                     f"{cls.__qualname__} overrides {name}",
                     "override only methods the hook calls by name (such as append)",
                 )
@@ -468,11 +468,13 @@ class TraceContext:
                 return [ConstV(x) for x in value]
         if isinstance(v, TensorV):
             raise refuse(
-                TraceRefusal.UNSUPPORTED_VALUE,
+                TraceRefusalKind.UNSUPPORTED_VALUE,
                 "iterating over a tensor",
                 "use t.unbind(0) to get a tuple of tensors",
             )
-        raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"cannot iterate over a {v.py_type.__name__}")
+        raise refuse(
+            TraceRefusalKind.UNSUPPORTED_VALUE, f"cannot iterate over a {v.py_type.__name__}"
+        )
 
     # ----------------------------------------------------------------- effects
     def store_cell(self, cell: Cell, value: Value) -> None:
@@ -501,7 +503,7 @@ class TraceContext:
             with self.log() as se:
                 written = se.dict_lookup(se.track_existing(namespace, None), name)
             if written is Missing.ABSENT:
-                raise refuse(TraceRefusal.HOOK_RAISES, f"name {name!r} is not defined")
+                raise refuse(TraceRefusalKind.HOOK_RAISES, f"name {name!r} is not defined")
             return self.unstage(written, source)
         if name in namespace:
             return self.wrap(namespace[name], source)
@@ -509,7 +511,7 @@ class TraceContext:
         if isinstance(builtins_ns, types.ModuleType):
             builtins_ns = vars(builtins_ns)
         if name not in builtins_ns:
-            raise refuse(TraceRefusal.HOOK_RAISES, f"name {name!r} is not defined")
+            raise refuse(TraceRefusalKind.HOOK_RAISES, f"name {name!r} is not defined")
         self.guard(source, GuardKind.ABSENT, None)
         return ConstV(builtins_ns[name])
 
@@ -532,7 +534,7 @@ class TraceContext:
             value = operand(self, v)
             if isinstance(value, (types.ModuleType, types.FunctionType)):
                 raise refuse(
-                    TraceRefusal.UNSUPPORTED_VALUE, f"{value!r} passed to a torch function"
+                    TraceRefusalKind.UNSUPPORTED_VALUE, f"{value!r} passed to a torch function"
                 )
             return value, value
         if isinstance(v, SliceV):
@@ -544,7 +546,7 @@ class TraceContext:
             kind: Callable[[Any], Any] = tuple if isinstance(v, TupleV) else list
             return kind(p[0] for p in pairs), kind(p[1] for p in pairs)
         raise refuse(
-            TraceRefusal.UNSUPPORTED_VALUE,
+            TraceRefusalKind.UNSUPPORTED_VALUE,
             f"a {v.py_type.__name__} is passed to a torch function",
         )
 
@@ -573,12 +575,12 @@ class TraceContext:
             kind_name = type(exc).__name__
             if "DataDependent" in kind_name or "DynamicOutputShape" in kind_name:
                 raise refuse(
-                    TraceRefusal.DATA_DEPENDENT_OP,
+                    TraceRefusalKind.DATA_DEPENDENT_OP,
                     f"{name} needs tensor values (or gives a data-dependent shape): {kind_name}",
                     "keep the hook's Python logic on tensor metadata",
                 ) from None
             raise refuse(
-                TraceRefusal.TORCH_ERROR, f"{name} failed on fake tensors: {kind_name}: {exc}"
+                TraceRefusalKind.TORCH_ERROR, f"{name} failed on fake tensors: {kind_name}: {exc}"
             ) from None
         node_args = tuple(x[1] for x in lowered)
         node_kwargs = {k: x[1] for k, x in lowered_kw.items()}
@@ -610,7 +612,7 @@ class TraceContext:
                     items.append(ConstV(x))
                 else:
                     raise refuse(
-                        TraceRefusal.UNSUPPORTED_VALUE,
+                        TraceRefusalKind.UNSUPPORTED_VALUE,
                         f"torch returned a {type(x).__name__} inside a tuple",
                     )
             if isinstance(out, list):
@@ -620,7 +622,7 @@ class TraceContext:
             # NOTE: the node stays: it may be an in-place op (setitem) returning None.
             return ConstV(out)
         raise refuse(
-            TraceRefusal.UNSUPPORTED_VALUE, f"a torch call returned a {type(out).__name__}"
+            TraceRefusalKind.UNSUPPORTED_VALUE, f"a torch call returned a {type(out).__name__}"
         )
 
     # ------------------------------------------------------------------ finish

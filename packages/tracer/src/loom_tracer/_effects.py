@@ -33,7 +33,7 @@ from loom_sidefx import Value as Recorded
 
 from ._kinds import is_symbolic
 from ._predicates import stable_repr
-from ._refusal import Refused, TraceRefusal, refuse
+from ._refusal import Refused, TraceRefusalKind, refuse
 from ._values import (
     ConstV,
     DictV,
@@ -69,7 +69,7 @@ class PlanRecorder:
             return v.ref
         if isinstance(v, SymV) or (isinstance(v, ConstV) and is_symbolic(v.value)):
             raise refuse(
-                TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+                TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
                 "a symbolic size would be stored or returned as a Python value",
                 "return or store tensors, or trace with static shapes",
             )
@@ -85,7 +85,7 @@ class PlanRecorder:
         if isinstance(v, TupleV):
             if v.py_type is not tuple:
                 raise refuse(
-                    TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+                    TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
                     f"a {v.py_type.__qualname__} created inside the hook escapes it",
                 )
             return tuple(self.value(x) for x in v.items)
@@ -97,20 +97,20 @@ class PlanRecorder:
                 f", with the cells it closes over ({', '.join(new_cells)})" if new_cells else ""
             )
             raise refuse(
-                TraceRefusal.ESCAPING_FUNCTION,
+                TraceRefusalKind.ESCAPING_FUNCTION,
                 f"function {v.name!r} created inside the hook escapes it (returned or stored)"
                 f"{captured}",
                 "define the function at module level or outside the hook",
             )
         raise refuse(
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+            TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
             f"a {v.py_type.__name__} created inside the hook escapes it",
         )
 
     def _new(self, v: ListV | DictV | SetV) -> Ref:
         if v.py_type not in (list, dict, set):
             raise refuse(
-                TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+                TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
                 f"a {v.py_type.__qualname__} created inside the hook escapes it",
             )
         return v.ref
@@ -131,7 +131,7 @@ class PlanRecorder:
             return self.se.build(results=returned, resolve=self.resolve), num_user
         except (SideEffectRefused, CellRefused) as exc:
             u = exc.reason
-            refused = refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, u.explanation, u.hint)
+            refused = refuse(TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT, u.explanation, u.hint)
             refused.where = u.where or None
             raise refused from None
 

@@ -20,7 +20,7 @@ from loom_cells import CellRefused, FrameCells
 from loom_sidefx import ObjectSource
 
 from ._context import TraceContext, cell_refusal
-from ._refusal import Refused, TraceRefusal, refuse
+from ._refusal import Refused, TraceRefusalKind, refuse
 from ._values import FunctionV, IteratorV, TupleV, Value
 
 Handler = Callable[["Frame", dis.Instruction], None]
@@ -107,7 +107,7 @@ class Frame:
                 handler = HANDLERS.get(inst.opname)
                 if handler is None:
                     raise refuse(
-                        TraceRefusal.UNSUPPORTED_OPCODE,
+                        TraceRefusalKind.UNSUPPORTED_OPCODE,
                         f"opcode {inst.opname} is not supported by the hook tracer",
                         "rewrite this line with simpler Python (see docs/tracer.md for the supported subset)",
                     )
@@ -135,7 +135,7 @@ def inline_call(
     """Trace a call of a Python function by interpreting its bytecode in a new frame."""
     if depth >= ctx.max_depth:
         raise refuse(
-            TraceRefusal.INLINE_DEPTH,
+            TraceRefusalKind.INLINE_DEPTH,
             f"calls nest deeper than {ctx.max_depth} levels (at {fn.name})",
             "recursion is not supported; flatten the helper calls",
         )
@@ -146,7 +146,7 @@ def inline_call(
         and not genexpr
     ):
         raise refuse(
-            TraceRefusal.UNSUPPORTED_CALL,
+            TraceRefusalKind.UNSUPPORTED_CALL,
             f"{fn.name} is a generator or coroutine",
             "return a list instead (generator expressions are supported)",
         )
@@ -168,7 +168,7 @@ def inline_call(
     try:
         bound_args = inspect.signature(stand_in).bind(*args, **kwargs)
     except TypeError as exc:
-        raise refuse(TraceRefusal.HOOK_RAISES, f"calling {fn.name}: {exc}") from None
+        raise refuse(TraceRefusalKind.HOOK_RAISES, f"calling {fn.name}: {exc}") from None
     bound_args.apply_defaults()
     bound: dict[str, Value] = {}
     # inspect renames implicit parameters (".0" of comprehensions); the code's names are real.
@@ -195,7 +195,7 @@ def inline_call(
     frame.run()
     if ctx.side_effects.num_ops != effects_before:
         raise refuse(
-            TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+            TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
             "a generator expression with side effects",
             "use a list comprehension or a for loop",
         )

@@ -22,7 +22,7 @@ from loom_sidefx import Value as Recorded
 from ._constants import python_op, python_value
 from ._containers import list_extend
 from ._context import TraceContext, operand, slot
-from ._refusal import TraceRefusal, refuse
+from ._refusal import TraceRefusalKind, refuse
 from ._values import (
     ConstV,
     DictV,
@@ -77,7 +77,7 @@ def binary_op(ctx: TraceContext, symbol: str, a: Value, b: Value) -> Value:
     inplace = symbol.endswith("=") and symbol not in ("==", "!=", "<=", ">=")
     base = symbol[:-1] if inplace else symbol
     if base not in PLAIN_OPS:
-        raise refuse(TraceRefusal.UNSUPPORTED_OPCODE, f"binary operator {symbol!r}")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_OPCODE, f"binary operator {symbol!r}")
     if isinstance(a, TensorV) or isinstance(b, TensorV):
         fn = INPLACE_OPS[base] if inplace and isinstance(a, TensorV) else PLAIN_OPS[base]
         return ctx.call_torch(fn, [a, b], {})
@@ -119,7 +119,8 @@ def _sequence_op(ctx: TraceContext, base: str, a: ListV | TupleV, b: Value) -> V
             isinstance(a, TupleV) and isinstance(b, ConstV) and isinstance(b.value, tuple)
         ):
             raise refuse(
-                TraceRefusal.HOOK_RAISES, f"TypeError: can only concatenate {a.py_type.__name__}"
+                TraceRefusalKind.HOOK_RAISES,
+                f"TypeError: can only concatenate {a.py_type.__name__}",
             )
         items = items_a + ctx.sequence_items(b)
     if isinstance(a, TupleV):
@@ -151,7 +152,7 @@ def is_same(ctx: TraceContext, a: Value, b: Value) -> bool:
 def contains(ctx: TraceContext, item: Value, container: Value) -> bool:
     ctx.require_base_protocol(container, "__contains__")
     if isinstance(container, TensorV) or isinstance(item, TensorV):
-        raise refuse(TraceRefusal.TENSOR_VALUE_CONTROL_FLOW, "membership test on a tensor")
+        raise refuse(TraceRefusalKind.TENSOR_VALUE_CONTROL_FLOW, "membership test on a tensor")
     if isinstance(container, DictV):
         return bool(python_op(operator.contains, ctx.dict_items(container), ctx.specialize(item)))
     if isinstance(container, SetV):
@@ -169,7 +170,7 @@ def truthy(ctx: TraceContext, v: Value) -> bool:
     """``bool(v)`` for a branch."""
     if isinstance(v, TensorV):
         raise refuse(
-            TraceRefusal.TENSOR_VALUE_CONTROL_FLOW,
+            TraceRefusalKind.TENSOR_VALUE_CONTROL_FLOW,
             "a branch depends on a tensor's values",
             "branch on tensor metadata (dtype, shape, device) instead, or use torch.where",
         )
@@ -185,7 +186,7 @@ def truthy(ctx: TraceContext, v: Value) -> bool:
     if isinstance(v, ObjectV):
         cls = v.py_type
         if getattr(cls, "__bool__", None) is not None or getattr(cls, "__len__", None) is not None:
-            raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"truth value of a {cls.__qualname__}")
+            raise refuse(TraceRefusalKind.UNSUPPORTED_VALUE, f"truth value of a {cls.__qualname__}")
     return True
 
 
@@ -197,7 +198,7 @@ def get_item(ctx: TraceContext, container: Value, index: Value) -> Value:
         key = ctx.specialize(index)
         items = ctx.dict_items(container)
         if key not in items:
-            raise refuse(TraceRefusal.HOOK_RAISES, f"KeyError: {key!r}")
+            raise refuse(TraceRefusalKind.HOOK_RAISES, f"KeyError: {key!r}")
         return items[key]
     if isinstance(container, (ListV, TupleV)):
         idx = ctx.specialize(index)
@@ -215,7 +216,9 @@ def get_item(ctx: TraceContext, container: Value, index: Value) -> Value:
         return ConstV(
             python_op(operator.getitem, operand(ctx, container), python_value(ctx, index))
         )
-    raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"subscript of a {container.py_type.__qualname__}")
+    raise refuse(
+        TraceRefusalKind.UNSUPPORTED_VALUE, f"subscript of a {container.py_type.__qualname__}"
+    )
 
 
 def set_item(ctx: TraceContext, container: Value, index: Value, value: Value) -> None:
@@ -225,7 +228,7 @@ def set_item(ctx: TraceContext, container: Value, index: Value, value: Value) ->
     if isinstance(container, ListV) and slot(container.py_type, "__setitem__") is list.__setitem__:
         idx = ctx.specialize(index)
         if not isinstance(idx, int):
-            raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, "slice assignment to a list")
+            raise refuse(TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT, "slice assignment to a list")
         python_op(operator.setitem, ctx.list_items(container), idx, value)
         with ctx.log() as se:
             se.list_setitem(container.ref, idx, Staged(value))
@@ -237,7 +240,7 @@ def set_item(ctx: TraceContext, container: Value, index: Value, value: Value) ->
             se.dict_setitem(container.ref, key, Staged(value))
         return
     raise refuse(
-        TraceRefusal.UNSUPPORTED_SIDE_EFFECT,
+        TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
         f"item assignment on a {container.py_type.__qualname__}",
     )
 
@@ -246,7 +249,7 @@ def del_item(ctx: TraceContext, container: Value, index: Value) -> None:
     if isinstance(container, ListV) and slot(container.py_type, "__delitem__") is list.__delitem__:
         idx = ctx.specialize(index)
         if not isinstance(idx, int):
-            raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, "slice deletion from a list")
+            raise refuse(TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT, "slice deletion from a list")
         python_op(operator.delitem, ctx.list_items(container), idx)
         with ctx.log() as se:
             se.list_delitem(container.ref, idx)
@@ -258,7 +261,8 @@ def del_item(ctx: TraceContext, container: Value, index: Value) -> None:
             se.dict_delitem(container.ref, key)
         return
     raise refuse(
-        TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"item deletion on a {container.py_type.__qualname__}"
+        TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
+        f"item deletion on a {container.py_type.__qualname__}",
     )
 
 

@@ -9,7 +9,7 @@ from loom_cells import Cell
 
 from ._calls import call_value
 from ._frame import Frame, handles
-from ._refusal import TraceRefusal, refuse
+from ._refusal import TraceRefusalKind, refuse
 from ._values import NULL, CellRefV, ConstV, DictV, FunctionV, SuperV, TupleV, Value
 
 _MAKE_FUNCTION_DEFAULTS = 0x01
@@ -54,7 +54,7 @@ def _call_function_ex(frame: Frame, inst: dis.Instruction) -> None:
     kwargs: dict[str, Value] = {}
     if kwargs_v is not None:
         if not isinstance(kwargs_v, DictV):
-            raise refuse(TraceRefusal.UNSUPPORTED_VALUE, "** of a non-dict")
+            raise refuse(TraceRefusalKind.UNSUPPORTED_VALUE, "** of a non-dict")
         kwargs = {str(k): v for k, v in frame.ctx.dict_items(kwargs_v).items()}
     frame.push(_dispatch(frame, fn, args, kwargs))
 
@@ -67,11 +67,11 @@ def _dispatch(frame: Frame, fn: Value, args: list[Value], kwargs: dict[str, Valu
 
 def _zero_arg_super(frame: Frame) -> Value:
     if "__class__" not in frame.cells.names() or frame.code.co_argcount == 0:
-        raise refuse(TraceRefusal.UNSUPPORTED_CALL, "super() outside a method")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, "super() outside a method")
     cls_v = frame.ctx.load_cell(frame.cells.cell("__class__"))
     self_v = frame.locals.get(frame.code.co_varnames[0])
     if not isinstance(cls_v, ConstV) or not isinstance(cls_v.value, type) or self_v is None:
-        raise refuse(TraceRefusal.UNSUPPORTED_CALL, "super() with an unknown class")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, "super() with an unknown class")
     return SuperV(cls_v.value, self_v)
 
 

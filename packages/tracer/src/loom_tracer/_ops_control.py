@@ -14,7 +14,7 @@ from ._containers import iterate
 from ._frame import Frame, handles
 from ._operators import is_same, truthy
 from ._pyversion import FOR_ITER_SKIPS_END_FOR, PY311, PY312
-from ._refusal import TraceRefusal, refuse
+from ._refusal import TraceRefusalKind, refuse
 from ._values import ConstV, GradExitV, GradModeV, IteratorV, Value
 
 _NONE = ConstV(None)
@@ -118,7 +118,7 @@ def _raise_varargs(frame: Frame, inst: dis.Instruction) -> None:
         exc = values[0]
         what = repr(exc.value) if isinstance(exc, ConstV) else f"a {exc.py_type.__qualname__}"
     raise refuse(
-        TraceRefusal.HOOK_RAISES,
+        TraceRefusalKind.HOOK_RAISES,
         f"the hook raises {what} for these inputs",
         "the trace only covers inputs for which the hook returns normally",
     )
@@ -129,7 +129,7 @@ def _before_with(frame: Frame, inst: dis.Instruction) -> None:
     manager = frame.pop()
     if not isinstance(manager, GradModeV):
         raise refuse(
-            TraceRefusal.UNSUPPORTED_CALL,
+            TraceRefusalKind.UNSUPPORTED_CALL,
             f"with-statement over a {manager.py_type.__qualname__}",
             "only `with torch.no_grad()` and `with torch.enable_grad()` are supported",
         )
@@ -141,13 +141,13 @@ def _before_with(frame: Frame, inst: dis.Instruction) -> None:
 @handles("RETURN_GENERATOR")
 def _return_generator(frame: Frame, inst: dis.Instruction) -> None:
     if frame.yields is None:
-        raise refuse(TraceRefusal.UNSUPPORTED_CALL, "generators are not supported")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, "generators are not supported")
     frame.push(_NONE)
 
 
 @handles("YIELD_VALUE")
 def _yield_value(frame: Frame, inst: dis.Instruction) -> None:
     if frame.yields is None:
-        raise refuse(TraceRefusal.UNSUPPORTED_CALL, "generators are not supported")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, "generators are not supported")
     frame.yields.append(frame.pop())
     frame.push(_NONE)

@@ -7,7 +7,7 @@ import dis
 from ._attributes import del_attr, get_attr, set_attr
 from ._frame import Frame, handles
 from ._pyversion import LOAD_ATTR_HAS_METHOD_BIT, PY311, PY312
-from ._refusal import TraceRefusal, refuse
+from ._refusal import TraceRefusalKind, refuse
 from ._values import NULL, CellRefV, ConstV, SuperV, Value
 
 
@@ -49,7 +49,7 @@ def _load_fast(frame: Frame, inst: dis.Instruction) -> None:
     name = inst.argval
     if name not in frame.locals:
         raise refuse(
-            TraceRefusal.HOOK_RAISES,
+            TraceRefusalKind.HOOK_RAISES,
             f"UnboundLocalError: local {name!r} referenced before assignment",
         )
     frame.push(frame.locals[name])
@@ -120,7 +120,9 @@ def _store_deref(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("DELETE_DEREF")
 def _delete_deref(frame: Frame, inst: dis.Instruction) -> None:
-    raise refuse(TraceRefusal.UNSUPPORTED_SIDE_EFFECT, f"del of closure variable {inst.argval!r}")
+    raise refuse(
+        TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT, f"del of closure variable {inst.argval!r}"
+    )
 
 
 @handles("LOAD_CLOSURE")
@@ -152,7 +154,7 @@ def _load_super_attr(frame: Frame, inst: dis.Instruction) -> None:
     cls_v = frame.pop()
     frame.pop()  # the global `super`
     if not isinstance(cls_v, ConstV) or not isinstance(cls_v.value, type):
-        raise refuse(TraceRefusal.UNSUPPORTED_CALL, "super() with an unknown class")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, "super() with an unknown class")
     attr = get_attr(frame.ctx, SuperV(cls_v.value, self_v), inst.argval, frame.depth)
     if inst.arg & 1:
         frame.push(NULL)

@@ -15,7 +15,7 @@ from ._frame import Frame, handles
 from ._operators import del_item, get_item, set_item
 from ._ops_arith import unary_positive
 from ._pyversion import PY311, PY312
-from ._refusal import TraceRefusal, refuse
+from ._refusal import TraceRefusalKind, refuse
 from ._values import NULL, ConstV, DictV, ListV, SetV, SliceV, SymV, TupleV, Value
 
 _CONVERSIONS: dict[int, Callable[[Any], str]] = {1: str, 2: repr, 3: ascii}
@@ -179,12 +179,12 @@ def _dict_update(frame: Frame, inst: dis.Instruction) -> None:
     target = frame.stack[-inst.arg]
     assert isinstance(target, DictV)
     if not isinstance(other, DictV):
-        raise refuse(TraceRefusal.UNSUPPORTED_VALUE, f"** of a {other.py_type.__qualname__}")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_VALUE, f"** of a {other.py_type.__qualname__}")
     items = frame.ctx.dict_items(target)
     for k, v in frame.ctx.dict_items(other).items():
         if inst.opname == "DICT_MERGE" and k in items:
             raise refuse(
-                TraceRefusal.HOOK_RAISES,
+                TraceRefusalKind.HOOK_RAISES,
                 f"TypeError: got multiple values for keyword argument {k!r}",
             )
         dict_set_item(frame.ctx, target, k, v)
@@ -202,7 +202,7 @@ def _call_intrinsic_1(frame: Frame, inst: dis.Instruction) -> None:
     elif inst.arg == _INTRINSIC_UNARY_POSITIVE:
         unary_positive(frame)
     else:
-        raise refuse(TraceRefusal.UNSUPPORTED_OPCODE, f"CALL_INTRINSIC_1 {inst.argrepr}")
+        raise refuse(TraceRefusalKind.UNSUPPORTED_OPCODE, f"CALL_INTRINSIC_1 {inst.argrepr}")
 
 
 @handles("UNPACK_SEQUENCE")
@@ -211,7 +211,7 @@ def _unpack_sequence(frame: Frame, inst: dis.Instruction) -> None:
     items = frame.ctx.sequence_items(frame.pop())
     if len(items) != inst.arg:
         raise refuse(
-            TraceRefusal.HOOK_RAISES,
+            TraceRefusalKind.HOOK_RAISES,
             f"ValueError: expected {inst.arg} values to unpack, got {len(items)}",
         )
     frame.stack.extend(reversed(items))
@@ -223,7 +223,7 @@ def _unpack_ex(frame: Frame, inst: dis.Instruction) -> None:
     before, after = inst.arg & 0xFF, inst.arg >> 8
     items = frame.ctx.sequence_items(frame.pop())
     if len(items) < before + after:
-        raise refuse(TraceRefusal.HOOK_RAISES, "ValueError: not enough values to unpack")
+        raise refuse(TraceRefusalKind.HOOK_RAISES, "ValueError: not enough values to unpack")
     middle = frame.ctx.new_list(items[before : len(items) - after])
     out = [*items[:before], middle, *items[len(items) - after :]]
     frame.stack.extend(reversed(out))

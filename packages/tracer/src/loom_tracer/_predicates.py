@@ -95,10 +95,6 @@ class TensorMeta:
             t.dtype, static(tuple(t.shape)), static(tuple(t.stride())), t.device, t.requires_grad
         )
 
-    @property
-    def is_static(self) -> bool:
-        return self._static
-
     def __call__(self, value: Any) -> bool:
         if self._static:
             return (

@@ -1,7 +1,7 @@
 """Typed refusals of the hook tracer.
 
 A hook the tracer cannot model exactly is refused with a ``HookUnsupported`` value
-that names the reason (a ``TraceRefusal`` kind), the place in the user's code
+that names the reason (a ``TraceRefusalKind`` kind), the place in the user's code
 (``file.py:LINE``) and what to do instead. The tracer never guesses: anything
 outside the modelled subset of Python ends here rather than in a wrong trace.
 """
@@ -13,7 +13,7 @@ import enum
 from loom_sidefx import Refusal
 
 
-class TraceRefusal(enum.Enum):
+class TraceRefusalKind(enum.Enum):
     """Why a hook was not traced (every member is documented in docs/tracer.md)."""
 
     UNSUPPORTED_OPCODE = "unsupported_opcode"
@@ -31,7 +31,7 @@ class TraceRefusal(enum.Enum):
     TRACER_ERROR = "tracer_error"
 
 
-class HookUnsupported(Refusal[TraceRefusal]):
+class HookUnsupported(Refusal[TraceRefusalKind]):
     """A hook the tracer refused: ``kind``, ``where`` (``file.py:LINE``), why, and what to do."""
 
     __slots__ = ()
@@ -40,7 +40,7 @@ class HookUnsupported(Refusal[TraceRefusal]):
 class Refused(Exception):
     """Raised inside the tracer to unwind to ``trace_hook``, which returns ``.unsupported``."""
 
-    def __init__(self, kind: TraceRefusal, explanation: str, hint: str = "") -> None:
+    def __init__(self, kind: TraceRefusalKind, explanation: str, hint: str = "") -> None:
         super().__init__(explanation)
         self.kind = kind
         self.explanation = explanation
@@ -52,6 +52,6 @@ class Refused(Exception):
         return HookUnsupported(self.kind, self.where or "<unknown>", self.explanation, self.hint)
 
 
-def refuse(kind: TraceRefusal, explanation: str, hint: str = "") -> Refused:
+def refuse(kind: TraceRefusalKind, explanation: str, hint: str = "") -> Refused:
     """Build the exception to ``raise`` for a refusal (``raise refuse(...)``)."""
     return Refused(kind, explanation, hint)
