@@ -20,10 +20,11 @@ PythonRunner = Callable[..., str]
 @pytest.fixture(autouse=True)
 def _fresh_cache_config() -> Iterator[None]:
     """Each test resolves the cache's environment afresh (and sees its warnings)."""
-    from loom_cache import _config, _local
+    from loom_cache import _config, _local, _redis
 
     _config._resolve.cache_clear()
     _local._warned_roots.clear()
+    _redis._warned_refusals.clear()
     yield
     _config._resolve.cache_clear()
 
@@ -44,18 +45,22 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self) -> None:
+    def __init__(self, password: str | None = None) -> None:
         self.port = _free_port()
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        auth = ["--requirepass", self.password] if self.password else []
         self.proc = subprocess.Popen(
             [
                 REDIS_SERVER,
+                *auth,
                 "--port",
                 str(self.port),
                 "--bind",
@@ -83,18 +88,28 @@ class RedisServer:
         self.proc = None
 
 
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
+def _serve_redis(password: str | None) -> Iterator[RedisServer]:
     if not Path(REDIS_SERVER).exists():
         pytest.fail(
             f"redis-server not found at {REDIS_SERVER} (install it: apt-get install redis-server)"
         )
-    server = RedisServer()
+    server = RedisServer(password)
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    yield from _serve_redis(None)
+
+
+@pytest.fixture
+def redis_with_password() -> Iterator[RedisServer]:
+    """A redis-server that requires a password (in its URL: ``redis://:pw@host``)."""
+    yield from _serve_redis("pw-s3cr3t-0f-the-fleet")
 
 
 @pytest.fixture

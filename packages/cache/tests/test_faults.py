@@ -217,6 +217,7 @@ def test_a_symlinked_lock_file_never_creates_or_truncates_its_target(tmp_path: P
     store = LocalStore(tmp_path / "cache")
     target = tmp_path / "victim.txt"
     target.write_text("precious")
+    (tmp_path / "cache" / "v1" / "lock").unlink(missing_ok=True)  # an attacker replaces it
     (tmp_path / "cache" / "v1" / "lock").symlink_to(target)
     missing = tmp_path / "never-created"
     result = store.put(_entry(1))

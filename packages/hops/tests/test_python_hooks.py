@@ -107,3 +107,24 @@ def test_a_changed_closure_value_recompiles() -> None:
     assert isinstance(second, loom_hops.Placement)
     saved = list(second.forward.graph.output_node().args[0])[second.num_fwd_outputs :]
     assert any(n.meta["val"].dtype == torch.bfloat16 for n in saved)
+
+
+def test_an_unpack_refusal_names_the_users_function_not_looms_wrapper() -> None:
+    from loom_hops._python_hooks import TracedPythonHooks
+    from loom_hops._saved_hooks import HookPair
+
+    def halve_pack(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16)
+
+    def forgetful_unpack(p: torch.Tensor) -> torch.Tensor:
+        return p  # stays bf16: refused
+
+    hooks = TracedPythonHooks(HookPair(halve_pack, forgetful_unpack))
+    saved = torch.randn(4, 3)
+    pack = hooks.trace_pack(saved)
+    assert not isinstance(pack, loom_hops.Unsupported)
+    refusal = hooks.trace_unpack(pack, saved)
+    assert isinstance(refusal, loom_hops.Unsupported)
+    assert refusal.kind is loom_hops.HopsRefusalKind.UNPACK_MISMATCH
+    assert "forgetful_unpack" in refusal.where and "test_python_hooks.py" in refusal.where
+    assert "call_pure" not in refusal.where and "_Traced" not in refusal.where

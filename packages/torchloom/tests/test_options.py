@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import typing
 from typing import Any
 
@@ -135,3 +136,65 @@ def test_cudagraph_or_error_env_loses_to_options_in_the_cudagraph_stage(
 
     assert stage_options() is True
     assert stage_options(cudagraph_or_error=False) is False
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "least"),
+    [
+        ("cudagraph_max_recording", -1, 0),
+        ("cudagraph_max_shapes", -3, 0),
+        ("saved_tensor_hooks_variants", -1, 0),
+    ],
+)
+def test_numbers_out_of_range_are_refused(name: str, value: int, least: int) -> None:
+    with pytest.raises(
+        LoomOptionsError, match=rf"'{name}' from options= got {value}; it must be at least {least}"
+    ):
+        resolve_options(options={name: value}, env={})
+    var = f"TORCHLOOM_{name.upper()}"
+    with pytest.raises(LoomOptionsError, match=var):
+        resolve_options(env={var: str(value)})
+    assert getattr(resolve_options(options={name: least}, env={}), name) == least
+
+
+def test_a_misspelt_option_suggests_the_closest_name() -> None:
+    with pytest.raises(LoomOptionsError, match="did you mean 'cudagraph_max_shapes'"):
+        resolve_options(options={"cudagraph_max_shape": 2}, env={})
+
+
+def test_a_misspelt_variable_warns_once_with_the_closest_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from torchloom import _options
+
+    _options._warned.discard("TORCHLOOM_CUDAGRAPH_MAX_RECORDINGS")
+    env = {
+        "TORCHLOOM_CUDAGRAPH_MAX_RECORDINGS": "2",
+        "TORCHLOOM_CACHE_DIR": "/somewhere",
+        "TORCHLOOM_LOG": "info",
+        # capture_step's own variables (resolved by torchloom.capture_step) are known
+        "TORCHLOOM_CAPTURE_STEP_WARMUP": "2",
+        "TORCHLOOM_CAPTURE_STEP_MAX_RECORDINGS": "2",
+    }
+    caplog.set_level(logging.WARNING, logger="torchloom.options")
+    resolve_options(env=env)
+    resolve_options(env=env)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "TORCHLOOM_CUDAGRAPH_MAX_RECORDINGS" in warning
+    assert "did you mean 'TORCHLOOM_CUDAGRAPH_MAX_RECORDING'" in warning
+
+
+def test_cudagraphs_without_cuda_warns_once_and_is_not_an_error(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from torchloom import _options
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _options._warned.discard("cudagraphs")
+    caplog.set_level(logging.WARNING, logger="torchloom.options")
+    assert resolve_options(mode="reduce-overhead", env={}).cudagraphs
+    assert resolve_options(options={"cudagraphs": True}, env={}).cudagraphs
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "without CUDA" in warning

@@ -14,6 +14,7 @@ Example::
 
 from loom_cache._bypass import CacheBypass, CacheBypassKind
 from loom_cache._cli import cache_main
+from loom_cache._config import VARIABLES as ENVIRONMENT_VARIABLES
 from loom_cache._config import CacheConfig, CacheConfigError, parse_size, redact_url
 from loom_cache._entry import FORMAT_VERSION, MAGIC, Entry, EntryError, decode_entry, encode_entry
 from loom_cache._environment import (
@@ -43,6 +44,7 @@ from loom_cache._tiered import TieredStore, open_default_store
 __version__ = "0.1.0"
 
 __all__ = [
+    "ENVIRONMENT_VARIABLES",
     "FORMAT_VERSION",
     "MAGIC",
     "USER_CACHE_HASH",

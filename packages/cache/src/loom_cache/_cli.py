@@ -13,7 +13,7 @@ from loom_cache._config import CacheConfig
 from loom_cache._key import CacheKey, explain_miss, nearest_key
 from loom_cache._local import LocalStore
 from loom_cache._store import EntryInfo, StoreUnavailable
-from loom_cache._tiered import TieredStore, open_default_store
+from loom_cache._tiered import TieredStore, open_store
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,13 +64,14 @@ def cache_main(
 
     The store is the one ``config`` describes (default: the environment, as
     ``CacheConfig.from_env()`` resolves it), with ``--dir`` replacing its directory;
-    ``confirm`` answers ``clear``'s question (default: ask on the terminal)."""
+    ``confirm`` answers ``clear``'s question (default: ask on the terminal). No
+    command creates the directory."""
     args = _parser().parse_args(list(argv))
     if store is None:
         config = config if config is not None else CacheConfig.from_env()
         if args.dir:
             config = dataclasses.replace(config, dir=Path(args.dir))
-        store = open_default_store(config)
+        store = open_store(config, create=False)
     tiered = store if isinstance(store, TieredStore) else TieredStore(store)
     local = tiered.local
     if args.command == "clear":
@@ -81,31 +82,32 @@ def cache_main(
 def _clear(store: TieredStore, yes: bool, local_only: bool, confirm: Callable[[str], bool]) -> int:
     local = store.local
     n_local = local.stats().entries
-    what = f"{n_local} local entries in {local.root}"
+    namespace = local.config.namespace or "(no namespace)"
+    what = f"{n_local} local entries of namespace {namespace} in {local.base}"
     remote = None if local_only else store.remote
+    status = 0
     if remote is not None:
-        namespace = local.config.namespace or "(no namespace)"
         target = local.config.remote_url_redacted or remote.name
         try:
             count = getattr(remote, "count", None)
             n_remote = f"{count()} " if count is not None else ""
         except StoreUnavailable as exc:
-            print(f"the remote tier is unreachable, clearing the local tier only: {exc}")
-            remote = None
+            print(f"the remote tier failed, so only the local tier is cleared: {exc}")
+            remote, status = None, 1
         else:
             what += f" and {n_remote}remote entries of namespace {namespace} on {target}"
     if not yes and not confirm(f"remove {what}?"):
         print("nothing removed")
         return 1
     removed = local.clear()
-    print(f"removed {removed} entries from {local.root}")
+    print(f"removed {removed} entries from {local.base}")
     if remote is not None:
         try:
             print(f"removed {remote.clear()} entries from the remote tier")
         except StoreUnavailable as exc:
             print(f"could not clear the remote tier: {exc}")
             return 1
-    return 0
+    return status
 
 
 def _inspect(local: LocalStore, tiered: TieredStore, args: argparse.Namespace) -> int:
@@ -113,6 +115,8 @@ def _inspect(local: LocalStore, tiered: TieredStore, args: argparse.Namespace) -
     if args.command == "stats":
         s = store.stats()
         print(f"directory  {store.root}" + (f"  (off: {store.off})" if store.off else ""))
+        if store.config.namespace:
+            print(f"namespace  {store.config.namespace} (local entries under {store.base})")
         print(f"entries    {s.entries}")
         print(f"bytes      {s.bytes} (limit {s.max_bytes})")
         print(f"hits       {s.hits}")
@@ -120,15 +124,19 @@ def _inspect(local: LocalStore, tiered: TieredStore, args: argparse.Namespace) -
         print(f"hit rate   {s.hit_rate:.1%}")
         print(f"corrupt    {s.corrupt}")
         config = store.config
-        print(
-            f"signing    {'keys ' + ', '.join(config.key_ids) if config.keys else 'off (no key)'}"
-        )
+        signing = "keys " + ", ".join(config.key_ids) if config.keys else "off (no key)"
+        if config.key_missing is not None:
+            signing = f"refusing every entry (fail closed): {config.key_missing}"
+        print(f"signing    {signing}")
         remote = config.remote_url_redacted
         if remote is None:
             print("remote     off")
         else:
-            state = "on" if tiered.remote is not None else "off (no key; see docs/cache.md)"
-            print(f"remote     {remote} ({state}, trust {config.remote_trust})")
+            state = "on" if tiered.remote is not None else "off (see docs/cache.md, Trust)"
+            print(
+                f"remote     {remote} ({state}, trust {config.remote_trust}, "
+                f"reads up to {config.remote_max_bytes} bytes)"
+            )
         return 0
     if args.command == "list":
         for info in sorted(store.summaries(), key=lambda i: -i.last_used):

@@ -18,19 +18,22 @@ import logging
 import math
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Final, Literal
-from urllib.parse import unquote
+from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
 log = logging.getLogger("torchloom.cache")
 
 DEFAULT_MAX_BYTES: Final = 2 << 30
 DEFAULT_TIMEOUT_S: Final = 0.5
 DEFAULT_RETRY_AFTER_S: Final = 30.0
+DEFAULT_REMOTE_MAX_BYTES: Final = 128 << 20
 _UNITS: Final = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _SIZE: Final = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
-_NETLOC_PASSWORD: Final = re.compile(r"(//[^/@:]*:)([^/@]*)(@)")
+#: Query parameters whose values never enter a message (``?password=...``, ``ssl_password``).
+_SECRET_PARAM: Final = re.compile(r"pass|secret|token|auth|cred|key", re.IGNORECASE)
 _NAMESPACE: Final = re.compile(r"[A-Za-z0-9_.\-]{0,64}")
 _MIN_KEY_BYTES: Final = 16
 
@@ -50,6 +53,7 @@ VARIABLES: Final = (
     "TORCHLOOM_REMOTE_CACHE_TIMEOUT",
     "TORCHLOOM_REMOTE_CACHE_RETRY_AFTER",
     "TORCHLOOM_REMOTE_CACHE_TRUST",
+    "TORCHLOOM_REMOTE_CACHE_MAX_BYTES",
 )
 
 
@@ -88,10 +92,19 @@ class CacheConfig:
     #: ``signed``: the remote tier serves only entries signed with one of ``keys``;
     #: ``unsigned``: it also serves unsigned entries (explicit opt-in, warned once).
     remote_trust: Trust = "signed"
+    #: The largest value one remote read accepts (``TORCHLOOM_REMOTE_CACHE_MAX_BYTES``):
+    #: a larger entry is a miss for that key, and the remote tier does not store one.
+    remote_max_bytes: int = DEFAULT_REMOTE_MAX_BYTES
+    #: Why a configured key could not be read (``TORCHLOOM_CACHE_KEY_FILE`` missing or
+    #: unreadable), or None. Set, the cache fails closed: every tier refuses unsigned
+    #: entries and stores nothing (see docs/cache.md, "Trust").
+    key_missing: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
             raise CacheConfigError(f"max_bytes must be >= 0, got {self.max_bytes}")
+        if self.remote_max_bytes <= 0:
+            raise CacheConfigError(f"remote_max_bytes must be > 0, got {self.remote_max_bytes}")
         if self.mode not in ("private", "shared"):
             raise CacheConfigError(f"mode must be 'private' or 'shared', got {self.mode!r}")
         if self.remote_trust not in ("signed", "unsigned"):
@@ -114,6 +127,12 @@ class CacheConfig:
         return bool(self.keys)
 
     @property
+    def refuses_unsigned(self) -> bool:
+        """Whether the local tier refuses unsigned entries: a key is set, or a configured
+        key file is missing (fail closed)."""
+        return bool(self.keys) or self.key_missing is not None
+
+    @property
     def remote_url_redacted(self) -> str | None:
         return None if self.remote_url is None else redact_url(self.remote_url)
 
@@ -129,11 +148,14 @@ class CacheConfig:
     def describe(self) -> str:
         """One line for logs and ``torchloom cache stats`` (no secret in it)."""
         keys = f"{len(self.keys)} key(s) {', '.join(self.key_ids)}" if self.keys else "no key"
+        if self.key_missing is not None:
+            keys = f"refusing every entry ({self.key_missing})"
         remote = self.remote_url_redacted or "off"
         return (
             f"dir={self.dir} max_bytes={self.max_bytes} mode={self.mode} signing={keys} "
             f"namespace={self.namespace or '-'} remote={remote} trust={self.remote_trust} "
-            f"timeout={self.remote_timeout_s}s retry_after={self.remote_retry_after_s}s"
+            f"timeout={self.remote_timeout_s}s retry_after={self.remote_retry_after_s}s "
+            f"remote_max_bytes={self.remote_max_bytes}"
         )
 
     @staticmethod
@@ -196,6 +218,24 @@ def _max_bytes(raw: str | None) -> int:
     return value
 
 
+def _remote_max_bytes(raw: str | None) -> int:
+    raw = (raw or "").strip()
+    default = DEFAULT_REMOTE_MAX_BYTES
+    if not raw:
+        return default
+    try:
+        value = parse_size(raw)
+    except ValueError as exc:
+        _warn("TORCHLOOM_REMOTE_CACHE_MAX_BYTES", raw, str(exc), f"the default {default} bytes")
+        return default
+    if value == 0:
+        _warn(
+            "TORCHLOOM_REMOTE_CACHE_MAX_BYTES", raw, "must be > 0", f"the default {default} bytes"
+        )
+        return default
+    return value
+
+
 def _seconds(var: str, raw: str | None, default: float) -> float:
     raw = (raw or "").strip()
     if not raw:
@@ -220,27 +260,52 @@ def _choice(var: str, raw: str | None, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _keys(env: Mapping[str, str | None]) -> tuple[bytes, ...]:
-    """Current key first, previous ones after. Keys are text (hex or any string of
-    16+ bytes); a key file holds one key per line, the current one first."""
+def _key_file(path: str) -> tuple[list[bytes], str | None]:
+    """The keys of a key file, and why it cannot be used (None: it can)."""
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            lines = [ln.strip() for ln in f.read().splitlines()]
+    except OSError as exc:
+        return [], exc.strerror or type(exc).__name__
+    if mode & (stat.S_IROTH | stat.S_IWOTH):
+        what = (
+            "written and read"
+            if mode & stat.S_IWOTH and mode & stat.S_IROTH
+            else ("written" if mode & stat.S_IWOTH else "read")
+        )
+        log.warning(
+            "loom cache: TORCHLOOM_CACHE_KEY_FILE=%s can be %s by every user (mode %o): "
+            "anyone who reads it can sign entries that run code here; chmod 600 it",
+            path,
+            what,
+            stat.S_IMODE(mode),
+        )
+    keys = [ln for ln in lines if ln and not ln.startswith(b"#")]
+    if not keys:
+        log.warning(
+            "loom cache: TORCHLOOM_CACHE_KEY_FILE=%s holds no key (%s): entries are not signed",
+            path,
+            "only comments" if any(lines) else "it is empty",
+        )
+    return keys, None
+
+
+def _keys(env: Mapping[str, str | None]) -> tuple[tuple[bytes, ...], str | None]:
+    """Current key first, previous ones after, and why a configured key file cannot be
+    read (None when it can). Keys are text (hex or any string of 16+ bytes); a key file
+    holds one key per line, the current one first."""
     keys: list[bytes] = []
+    missing: str | None = None
     current = (env.get("TORCHLOOM_CACHE_KEY") or "").strip()
     if current:
         keys.append(current.encode())
     path = (env.get("TORCHLOOM_CACHE_KEY_FILE") or "").strip()
     if path:
-        try:
-            with open(path, "rb") as f:
-                lines = [ln.strip() for ln in f.read().splitlines()]
-            keys.extend(ln for ln in lines if ln and not ln.startswith(b"#"))
-            if not any(lines):
-                log.warning("loom cache: TORCHLOOM_CACHE_KEY_FILE=%s holds no key", path)
-        except OSError as exc:
-            log.warning(
-                "loom cache: cannot read TORCHLOOM_CACHE_KEY_FILE=%s (%s): entries are not signed",
-                path,
-                exc.strerror or type(exc).__name__,
-            )
+        from_file, why = _key_file(path)
+        keys.extend(from_file)
+        if why is not None:
+            missing = f"TORCHLOOM_CACHE_KEY_FILE={path} cannot be read: {why}"
     previous = (env.get("TORCHLOOM_CACHE_PREVIOUS_KEY") or "").strip()
     if previous:
         keys.append(previous.encode())
@@ -255,7 +320,19 @@ def _keys(env: Mapping[str, str | None]) -> tuple[bytes, ...]:
             )
         elif key not in usable:
             usable.append(key)
-    return tuple(usable)
+    if missing is not None and not usable:
+        # NOTE: fail closed. A key file was configured, so this process was meant to
+        # trust only signed entries; trusting unsigned ones because the file is gone
+        # would let anyone who can write the store run code here.
+        log.error(
+            "loom cache: %s; the cache refuses every entry and stores nothing until the "
+            "key is there (unset TORCHLOOM_CACHE_KEY_FILE to run without signing)",
+            missing,
+        )
+        return (), missing
+    if missing is not None:
+        log.warning("loom cache: %s; using the other keys set", missing)
+    return tuple(usable), None
 
 
 def _namespace(raw: str | None) -> str:
@@ -275,7 +352,7 @@ def _resolve(items: tuple[tuple[str, str | None], ...]) -> CacheConfig:
         env.get("TORCHLOOM_REMOTE_CACHE_TRUST"),
         ("signed", "unsigned"),
     )
-    keys = _keys(env)
+    keys, key_missing = _keys(env)
     config = CacheConfig(
         dir=_default_dir(env),
         max_bytes=_max_bytes(env.get("TORCHLOOM_CACHE_MAX_BYTES")),
@@ -296,8 +373,10 @@ def _resolve(items: tuple[tuple[str, str | None], ...]) -> CacheConfig:
             DEFAULT_RETRY_AFTER_S,
         ),
         remote_trust=trust,  # type: ignore[arg-type]
+        remote_max_bytes=_remote_max_bytes(env.get("TORCHLOOM_REMOTE_CACHE_MAX_BYTES")),
+        key_missing=key_missing,
     )
-    if url is not None:
+    if url is not None and key_missing is None:
         if trust == "unsigned":
             log.warning(
                 "loom cache: TORCHLOOM_REMOTE_CACHE_TRUST=unsigned: the remote tier serves "
@@ -320,21 +399,60 @@ def timeout_from_env() -> float:
     return CacheConfig.from_env().remote_timeout_s
 
 
+def _split_userinfo(netloc: str) -> tuple[str | None, str]:
+    """``(userinfo or None, host part)``, split at the last ``@`` as urllib and
+    redis-py do (a raw ``@`` inside a password stays in the userinfo)."""
+    userinfo, at, host = netloc.rpartition("@")
+    return (userinfo if at else None), host
+
+
+def _secrets(url: str) -> set[str]:
+    """Every password ``url`` carries, as written and as redis-py decodes it."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return set()
+    found: set[str] = set()
+    userinfo, _ = _split_userinfo(parts.netloc)
+    if userinfo is not None and ":" in userinfo:
+        password = userinfo.split(":", 1)[1]
+        found |= {password, unquote(password)}
+    for item in parts.query.split("&"):
+        name, eq, raw = item.partition("=")
+        if eq and _SECRET_PARAM.search(unquote_plus(name)):
+            found |= {raw, unquote(raw), unquote_plus(raw)}
+    return {s for s in found if s}
+
+
 def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``.
+    """``url`` with every password replaced by ``***``: the one in the userinfo (a raw
+    ``@`` inside it included) and query parameters such as ``?password=``; the
+    user name, host, port, path and other parameters stay.
 
     >>> redact_url("redis://user:secret@host:6379/0")
     'redis://user:***@host:6379/0'
+    >>> redact_url("redis://host/0?password=secret&db=1")
+    'redis://host/0?password=***&db=1'
     """
-    return _NETLOC_PASSWORD.sub(r"\1***\3", url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<an unparsable URL>"
+    netloc = parts.netloc
+    userinfo, host = _split_userinfo(netloc)
+    if userinfo is not None and ":" in userinfo:
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{host}"
+    query = "&".join(
+        f"{name}=***" if eq and _SECRET_PARAM.search(unquote_plus(name)) else item
+        for item in parts.query.split("&")
+        for name, eq, _ in [item.partition("=")]
+    )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def redact(text: str, url: str) -> str:
-    """``text`` (say, an exception's message) with ``url``'s password, as written
-    or percent-decoded, replaced by ``***``."""
-    match = _NETLOC_PASSWORD.search(url)
-    if match is None or not match.group(2):
-        return text
-    for secret in {match.group(2), unquote(match.group(2))}:
+    """``text`` (say, an exception's message) with every password of ``url``, as
+    written or decoded, replaced by ``***``."""
+    for secret in sorted(_secrets(url), key=len, reverse=True):
         text = text.replace(secret, "***")
     return text

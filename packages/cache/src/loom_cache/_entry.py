@@ -67,7 +67,7 @@ def encode_entry(entry: Entry, *, key: bytes | None = None, namespace: str = "")
     return body + hmac.new(key, body, hashlib.sha256).digest()
 
 
-def decode_header(data: bytes) -> tuple[dict[str, Any], int]:
+def decode_header(data: bytes | bytearray) -> tuple[dict[str, Any], int]:
     """The header of an encoded entry and the offset of its payload."""
     if not data.startswith(MAGIC):
         raise EntryError("not a loom cache entry (bad magic)")
@@ -92,7 +92,11 @@ def decode_header(data: bytes) -> tuple[dict[str, Any], int]:
 
 
 def verify_signature(
-    data: bytes, header: dict[str, Any], offset: int, keys: tuple[bytes, ...], required: bool
+    data: bytes | bytearray,
+    header: dict[str, Any],
+    offset: int,
+    keys: tuple[bytes, ...],
+    required: bool,
 ) -> tuple[bytes, bool]:
     """The payload of ``data`` once its signature checks out, and whether it was signed.
 
@@ -109,16 +113,23 @@ def verify_signature(
     if signed_by is None:
         if required:
             raise EntryError("unsigned entry refused (entries must be signed with the cache key)")
-        return data[offset:], False
+        return _copy(data, offset, len(data)), False
     key = next((k for k in keys if key_id(k) == signed_by), None)
     if key is None:
         if required:
             raise EntryError(f"signed with key {signed_by!r}, which this reader does not hold")
-        return data[offset : offset + size], False
-    body, mac = data[: offset + size], data[offset + size :]
-    if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), mac):
-        raise EntryError("signature mismatch (a forged or altered entry)")
-    return data[offset : offset + size], True
+        return _copy(data, offset, offset + size), False
+    with memoryview(data) as view:  # NOTE: no copy of a large entry for its MAC
+        mac = hmac.new(key, view[: offset + size], hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, bytes(view[offset + size :])):
+            raise EntryError("signature mismatch (a forged or altered entry)")
+        return bytes(view[offset : offset + size]), True
+
+
+def _copy(data: bytes | bytearray, start: int, end: int) -> bytes:
+    """``data[start:end]`` as bytes, copied once."""
+    with memoryview(data) as view:
+        return bytes(view[start:end])
 
 
 def decode_entry(
@@ -135,7 +146,7 @@ def decode_entry(
 
 
 def decode_checked(
-    data: bytes,
+    data: bytes | bytearray,
     expected_digest: str | None,
     keys: tuple[bytes, ...],
     require_signature: bool,

@@ -13,17 +13,29 @@ Invariants:
 - Files are created 0600 and directories 0700 (``mode="shared"``: 0660 and
   2770, for a group). A root owned by someone else or writable by others is
   used with a warning.
-- ``put`` is O(1) amortised: a size ledger (in ``stats.json``, under a
-  ``filelock`` lock) tracks the total; only when it passes ``max_bytes`` does
-  a scan evict least-recently-used entries down to 90% of the bound (a hit
-  refreshes the entry's mtime).
+- No read waits on a lock, and no lock is held for long. Hit, miss and
+  corrupt counters and the size ledger's deltas are lock-free ``O_APPEND``
+  writes (one byte per event, one line per delta); whoever next gets the
+  store's ``filelock`` lock without waiting folds them into ``stats.json`` and
+  ``ledger.json`` (a rename claims them, so no append is counted twice).
+  Entries are published with ``os.replace`` outside the lock.
+- ``put`` is O(1) amortised: the ledger tracks the total; only when it passes
+  ``max_bytes`` does one process (a second lock, taken without waiting)
+  evict least-recently-used entries down to 90% of the bound, scanning and
+  unlinking outside the store lock (a hit refreshes the entry's mtime). A
+  missing ledger (a disk that filled while writing it) is rebuilt by a scan
+  on the next open.
 - Corrupt, unsigned (when a key is set) and forged entries are removed and
   reported; their payload is never returned.
 - A local problem never raises out of the store: lookups miss and puts return
-  a :class:`PutResult` saying why. A directory removed while the process runs
-  is recreated by the next put; a root the process cannot use (unwritable, an
-  uncreatable parent, a file in its place, a symlink inside) turns the local
-  tier off with one warning.
+  a :class:`PutResult` saying why, in words that name the problem (a full
+  disk, a busy lock, an unusable directory). A directory removed while the
+  process runs is recreated by the next put; a root the process cannot use
+  (unwritable, an uncreatable parent, a file in its place, a symlink inside)
+  turns the local tier off with one warning.
+- Each ``TORCHLOOM_CACHE_NAMESPACE`` has its own tree (``<root>/ns-<name>/v1``;
+  no namespace: ``<root>/v1``), so namespaces sharing a directory never serve
+  each other's entries.
 """
 
 from __future__ import annotations
@@ -56,6 +68,9 @@ _STALE_TMP_SECONDS: Final = 3600.0
 _MAX_MISS_RECORDS: Final = 200
 _LOW_WATER: Final = 0.9
 _LOCK_TIMEOUT_S: Final = 10.0
+#: Bookkeeping (folding journals, setting the ledger) waits at most this long.
+_BRIEF_LOCK_S: Final = 1.0
+_COUNTERS: Final = ("hits", "misses", "corrupt")
 _HEADER_READ: Final = 64 << 10
 _ENTRY_NAME: Final = re.compile(r"[0-9a-f]{64}\.entry")
 _SHARD_NAME: Final = re.compile(r"[0-9a-f]{2}")
@@ -73,6 +88,7 @@ _FD_OPS: Final = (
 _UNUSABLE: Final = frozenset(
     {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ELOOP, errno.EEXIST}
 )
+_FULL: Final = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
 _warned_roots: set[tuple[str, str]] = set()
 
 
@@ -124,6 +140,7 @@ class LocalStore:
         max_bytes: int | None = None,
         *,
         config: CacheConfig | None = None,
+        create: bool = True,
     ):
         config = config if config is not None else CacheConfig.from_env()
         if root is not None:
@@ -136,18 +153,27 @@ class LocalStore:
         shared = self._shared = config.mode == "shared"
         self._file_mode = 0o660 if shared else 0o600
         self._dir_mode = 0o2770 if shared else 0o700
-        self._dir = self.root / LAYOUT
+        #: Where this namespace's tree lives (the root itself without a namespace).
+        self.base = self.root / f"ns-{config.namespace}" if config.namespace else self.root
+        self._dir = self.base / LAYOUT
         self._entries = self._dir / "entries"
         self._tmp = self._dir / "tmp"
         self._misses = self._dir / "misses"
         self._stats = self._dir / "stats.json"
+        self._ledger = self._dir / "ledger.json"
+        self._journal = self._dir / "ledger.log"
         self._index = self._dir / "index.tsv"
         self._lock = filelock.FileLock(
             str(self._dir / "lock"), timeout=_LOCK_TIMEOUT_S, mode=self._file_mode
         )
+        self._evict_lock = filelock.FileLock(
+            str(self._dir / "evict.lock"), timeout=_LOCK_TIMEOUT_S, mode=self._file_mode
+        )
         self._warned = False
         #: Why the local tier is off (a root this process cannot use), or None.
         self.off: str | None = None
+        if not create and not self._dir.is_dir():
+            return  # NOTE: nothing to read, and a read-only command creates nothing
         try:
             self._make_dirs()
         except OSError as exc:  # said once, by the first put
@@ -155,11 +181,22 @@ class LocalStore:
                 self._turn_off(self._describe(exc), warn=False)
         else:
             self._check_owner()
+            if self._read_json(self._ledger).get("bytes") is None:
+                self._rebuild_ledger()
 
     # -- directories -------------------------------------------------------
-    def _describe(self, exc: OSError) -> str:
+    def _describe(self, exc: BaseException) -> str:
+        if isinstance(exc, filelock.Timeout):
+            return (
+                f"cache directory {self.root} is busy: another process held {exc.lock_file} "
+                f"for over {_LOCK_TIMEOUT_S:g} s"
+            )
         if isinstance(exc, UnsafeStoreError):
             return str(exc)
+        if isinstance(exc, OSError) and exc.errno in _FULL:
+            return f"disk full: cannot write under {self.root} ({exc.strerror})"
+        if not isinstance(exc, OSError):
+            return f"cache directory {self.root}: {exc!r}"
         why = "not a directory" if exc.errno == errno.EEXIST else (exc.strerror or str(exc))
         return f"cache directory {self.root} unusable: {why}"
 
@@ -195,8 +232,11 @@ class LocalStore:
     def _make_dirs(self) -> None:
         # NOTE: the root itself may be a symlink (a user's choice); below it, never.
         self.root.mkdir(parents=True, exist_ok=True, mode=self._dir_mode)
-        for d in (self._dir, self._entries, self._tmp, self._misses):
+        below = (self._dir, self._entries, self._tmp, self._misses)
+        for d in (self.base, *below) if self.base != self.root else below:
             self._ensure_dir(d)
+        for lock in (self._lock, self._evict_lock):
+            _check_regular(Path(lock.lock_file))
 
     def _check_owner(self) -> None:
         """Warn (once per directory) when others own the store or may write to it."""
@@ -237,7 +277,7 @@ class LocalStore:
     def _not_stored(self, reason: str) -> PutResult:
         if not self._warned:
             self._warned = True
-            log.warning("loom cache: the local tier stores nothing: %s", reason)
+            log.warning("loom cache: the local tier stored nothing: %s", reason)
         else:
             log.debug("loom cache: not stored: %s", reason)
         return PutResult(False, self.name, reason)
@@ -257,8 +297,11 @@ class LocalStore:
             return f.read()
 
     def lookup(self, digest: str) -> Lookup:
+        """The entry, or a miss with its reason; never waits on the store's lock."""
         if self.off is not None:
             return Lookup(None, self.name, f"absent (local tier off: {self.off})")
+        if self.config.key_missing is not None:
+            return Lookup(None, self.name, f"refused (fail closed): {self.config.key_missing}")
         path = self.path_of(digest)
         try:
             data = self._read(path)
@@ -273,7 +316,7 @@ class LocalStore:
             return Lookup(None, self.name, f"unreadable: {exc}")
         try:
             entry, verified = decode_checked(
-                data, digest, self.config.keys, self.config.signing, None
+                data, digest, self.config.keys, self.config.signing, self.config.namespace
             )
         except EntryError as exc:
             log.warning("loom cache: dropping entry %s: %s", digest[:12], exc)
@@ -285,10 +328,15 @@ class LocalStore:
         return Lookup(entry, self.name, "hit", verified)
 
     def put(self, entry: Entry) -> PutResult:
-        """Store ``entry``; a local problem is a result saying why, never an exception."""
+        """Store ``entry``; a local problem is a result saying why, never an exception.
+
+        The entry is published first (``os.replace``, no lock); the bookkeeping after
+        it (ledger, index, eviction) never decides whether it was stored."""
         if self.off is not None:
             self._warn_off()
             return PutResult(False, self.name, f"local tier off: {self.off}")
+        if self.config.key_missing is not None:
+            return PutResult(False, self.name, f"fail closed: {self.config.key_missing}")
         if self.max_bytes == 0:
             return self._not_stored("the size bound is 0 (TORCHLOOM_CACHE_MAX_BYTES=0)")
         key = self.config.keys[0] if self.config.keys else None
@@ -302,22 +350,33 @@ class LocalStore:
             self._make_dirs()  # NOTE: recreates a directory removed while the process runs
             self._check_owner()
         except OSError as exc:
-            self._turn_off(self._describe(exc))
-            return PutResult(False, self.name, f"local tier off: {self.off}")
+            if isinstance(exc, UnsafeStoreError) or exc.errno in _UNUSABLE:
+                self._turn_off(self._describe(exc))
+                return PutResult(False, self.name, f"local tier off: {self.off}")
+            return self._not_stored(self._describe(exc))
         try:
             self._ensure_dir(path.parent)
             tmp = self._write_tmp(path.name, data)
             try:
-                with self._locked():
-                    old = _regular_size(path)
-                    os.replace(tmp, path)
-                    self._account(len(data) - old)
-                    self._index_append(entry)
+                old = _regular_size(path)
+                os.replace(tmp, path)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
         except OSError as exc:
-            return self._not_stored(f"{self._describe(exc)}")
+            return self._not_stored(self._describe(exc))
+        try:
+            self._append(self._journal, f"{len(data) - old}\n".encode())
+            self._index_append(entry)
+            self._maintain()
+        except OSError as exc:
+            # NOTE: the entry is published: say so. The ledger may now be off; drop
+            # it (an unlink works on a full disk) so the next open counts afresh.
+            with contextlib.suppress(OSError):
+                os.unlink(self._ledger)
+            reason = self._describe(exc)
+            log.warning("loom cache: stored %s, but its bookkeeping failed: %s", path, reason)
+            return PutResult(True, self.name, f"stored (bookkeeping skipped: {reason})")
         return PutResult(True, self.name, "stored")
 
     def _write_tmp(self, name: str, data: bytes) -> Path:
@@ -345,11 +404,19 @@ class LocalStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
 
+    def _append(self, path: Path, data: bytes) -> None:
+        """One ``O_APPEND`` write: atomic for these few bytes, and no lock."""
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC | _BINARY
+        fd = os.open(path, flags, self._file_mode)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
     def _remove(self, path: Path, size: int) -> None:
         with contextlib.suppress(OSError):
             os.unlink(path)
-            with self._locked():
-                self._account(-size, evict=False)
+            self._append(self._journal, f"{-size}\n".encode())
 
     def delete(self, digest: str) -> bool:
         path = self.path_of(digest)
@@ -361,8 +428,8 @@ class LocalStore:
             os.unlink(path)
         except OSError:
             return False
-        with contextlib.suppress(OSError), self._locked():
-            self._account(-size, evict=False)
+        with contextlib.suppress(OSError):
+            self._append(self._journal, f"{-size}\n".encode())
         return True
 
     # -- scanning (own files only, never through a symlink) -----------------
@@ -431,14 +498,11 @@ class LocalStore:
         """One line per put (digest, created, program), so listing reads no entry."""
         program = entry.key.program.replace("\t", " ").replace("\n", " ")
         line = f"{entry.digest}\t{entry.created!r}\t{program}\n".encode()
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC | _BINARY
         try:
-            fd = os.open(self._index, flags, self._file_mode)
-            try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
+            self._append(self._index, line)
         except OSError as exc:  # the listing falls back to reading headers
+            if exc.errno in _FULL:
+                raise
             log.debug("loom cache: could not append to the index: %s", exc)
 
     def _read_index(self) -> dict[str, tuple[float, str]]:
@@ -457,7 +521,9 @@ class LocalStore:
         return out
 
     def _compact_index(self) -> None:
-        """Rewrite the index with the entries present (lock held; after eviction/clear)."""
+        """Rewrite the index with the entries present (after eviction; no lock: a line
+        a concurrent put appends meanwhile may be lost, and listing then reads that
+        entry's header)."""
         index = self._read_index()
         with self._scanned() as files:
             present = {name[:64] for _, _, _, name in files}
@@ -509,38 +575,51 @@ class LocalStore:
                     yield info
 
     def clear(self) -> int:
+        """Remove every entry of this namespace's tree, its counters and recorded misses."""
         removed = 0
+        if not self._dir.is_dir():
+            return 0
         try:
-            with self._locked(), self._scanned() as files:
-                for _, _, where, name in files:
-                    with contextlib.suppress(OSError):
-                        _unlink(where, name)
-                        removed += 1
+            with self._locked(self._evict_lock, _LOCK_TIMEOUT_S):
+                with self._scanned() as files:
+                    for _, _, where, name in files:
+                        with contextlib.suppress(OSError):
+                            _unlink(where, name)
+                            removed += 1
                 with contextlib.suppress(OSError):
                     for item in os.scandir(self._misses):
                         if item.name.endswith(".json") and item.is_file(follow_symlinks=False):
                             os.unlink(item.path)
-                self._write_counters({"bytes": 0})
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._index)
-        except OSError as exc:
-            log.warning("loom cache: could not clear %s: %s", self.root, exc)
+                with self._locked(self._lock, _LOCK_TIMEOUT_S):
+                    for part in self._claim():
+                        part.unlink()
+                    self._write_json(self._stats, {})
+                    self._write_json(self._ledger, {"bytes": 0})
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._index)
+        except (OSError, filelock.Timeout) as exc:
+            log.warning("loom cache: could not clear %s: %s", self.base, self._describe(exc))
         return removed
 
+    # -- size bound ----------------------------------------------------------
     def evict(self, max_bytes: int) -> int:
-        """Remove least-recently-used entries until the total is under ``max_bytes``."""
+        """Remove least-recently-used entries until the total is under ``max_bytes``;
+        waits for another process's eviction, never holds the store's lock while
+        scanning or unlinking. Returns how many entries were removed."""
         try:
-            with self._locked():
-                total, removed = self._evict_locked(max_bytes)
-                counters = self._read_counters()
-                counters["bytes"] = total
-                self._write_counters(counters)
-        except OSError as exc:
-            log.debug("loom cache: eviction skipped: %s", exc)
+            with self._locked(self._evict_lock, _LOCK_TIMEOUT_S):
+                return self._evict_to(max_bytes)
+        except (OSError, filelock.Timeout) as exc:
+            log.info("loom cache: eviction skipped: %s", self._describe(exc))
             return 0
-        return removed
 
-    def _evict_locked(self, target: int) -> tuple[int, int]:
+    def _evict_to(self, target: int) -> int:
+        """Evict down to ``target`` (the eviction lock held): fold the journal, scan
+        and unlink with no lock, then set the ledger to what is left plus what other
+        processes journaled meanwhile (those they published during the scan may be
+        counted twice: an over-count, which the next eviction's scan corrects)."""
+        with self._locked(self._lock, _BRIEF_LOCK_S):
+            self._fold()
         removed = 0
         with self._scanned() as files:
             total = sum(size for _, size, _, _ in files)
@@ -552,11 +631,45 @@ class LocalStore:
                         _unlink(where, name)
                         total -= size
                         removed += 1
+        with self._locked(self._lock, _BRIEF_LOCK_S):
+            self._fold(base=total)
         self._sweep_tmp()
         if removed:
             self._compact_index()
             log.info("loom cache: evicted %d entries to stay under %d bytes", removed, target)
-        return total, removed
+        return removed
+
+    def _maintain(self) -> None:
+        """After a put: fold the journals if the lock is free right now, and evict in
+        one batch past the bound if no other process is evicting. Never waits."""
+        with self._try_locked(self._lock) as held:
+            if not held:
+                return  # its holder, or the next put, folds
+            total = self._fold().get("bytes")
+        if total is None:
+            self._rebuild_ledger()
+        elif total > self.max_bytes:
+            with self._try_locked(self._evict_lock) as held:
+                if not held:
+                    return  # another process is evicting
+                try:
+                    self._evict_to(int(self.max_bytes * _LOW_WATER))
+                except filelock.Timeout as exc:
+                    log.info("loom cache: eviction skipped: %s", self._describe(exc))
+        else:
+            self._sweep_tmp()
+
+    def _rebuild_ledger(self) -> None:
+        """Count the store once (no lock while scanning) and write the ledger."""
+        with self._try_locked(self._evict_lock) as held:
+            if not held:
+                return
+            try:
+                total = self._total()[1]
+                with self._locked(self._lock, _BRIEF_LOCK_S):
+                    self._fold(base=total, journaled=False)
+            except (OSError, filelock.Timeout) as exc:
+                log.debug("loom cache: the size ledger was not rebuilt: %s", exc)
 
     def _sweep_tmp(self) -> None:
         """Remove temporaries that crashed writers left (the directory is ~empty)."""
@@ -572,28 +685,60 @@ class LocalStore:
                     ):
                         os.unlink(tmp.path)
 
-    def _account(self, delta: int, *, evict: bool = True) -> None:
-        """Add ``delta`` bytes to the ledger (lock held); evict in a batch past the bound."""
-        counters = self._read_counters()
-        total = counters.get("bytes")
-        if not isinstance(total, int) or total < 0:
-            total = self._total()[1]  # first use: count once
-        else:
-            total = max(0, total + delta)
-        if evict and total > self.max_bytes:
-            total, _ = self._evict_locked(int(self.max_bytes * _LOW_WATER))
-        elif evict:
-            self._sweep_tmp()
-        counters["bytes"] = total
-        self._write_counters(counters)
+    # -- journals: counters and ledger deltas, appended without a lock --------
+    def _counter_file(self, counter: str) -> Path:
+        return self._dir / f"{counter}.count"
+
+    def _claim(self) -> list[Path]:
+        """Rename the live journals aside (lock held) and return every claimed part,
+        with any an earlier fold could not finish. Appends after the rename start a
+        new file, so nothing is folded twice."""
+        token = uuid.uuid4().hex
+        for live, kind in [(self._journal, "ledger")] + [
+            (self._counter_file(c), c) for c in _COUNTERS
+        ]:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.lstat(live).st_mode):  # a planted link is never read
+                    os.rename(live, self._tmp / f"fold.{token}.{kind}")
+        return [
+            Path(item.path)
+            for item in os.scandir(self._tmp)
+            if item.name.startswith("fold.") and item.is_file(follow_symlinks=False)
+        ]
+
+    def _fold(self, base: int | None = None, *, journaled: bool = True) -> dict[str, Any]:
+        """Add the journals to ``stats.json`` and ``ledger.json`` (lock held) and return
+        the ledger. ``base``: the ledger's new value before the journaled deltas
+        (``journaled=False``: drop them, ``base`` counted them already)."""
+        parts = self._claim()
+        counters = self._read_json(self._stats)
+        ledger = self._read_json(self._ledger)
+        total = ledger.get("bytes") if base is None else base
+        for part in parts:
+            kind = part.name.rsplit(".", 1)[1]
+            if kind == "ledger":
+                if journaled and isinstance(total, int):
+                    total += _sum_lines(part)
+            elif kind in _COUNTERS:
+                counters[kind] = int(counters.get(kind, 0)) + part.stat().st_size
+        if parts:
+            self._write_json(self._stats, counters)
+        ledger = {"bytes": max(0, total)} if isinstance(total, int) else {}
+        if parts or base is not None:
+            self._write_json(self._ledger, ledger)
+        for part in parts:
+            with contextlib.suppress(OSError):
+                part.unlink()
+        return ledger
 
     # -- hit/miss bookkeeping ---------------------------------------------
     def record(self, hit: bool) -> None:
+        """Count a hit or a miss: one appended byte, never a lock."""
         self._bump("hits" if hit else "misses")
 
     def record_miss(self, key: CacheKey) -> None:
         """Keep the key of a miss so ``torchloom cache explain`` can compare it later."""
-        if self.off is not None:
+        if self.off is not None or not self._dir.is_dir():
             return
         path = self._misses / f"{key.digest}.json"
         record = json.dumps({"time": time.time(), "key": key.to_json()}).encode()
@@ -626,15 +771,25 @@ class LocalStore:
         return sorted(out, key=lambda t: t[0])
 
     def stats(self) -> StoreStats:
-        """Entries and bytes from one directory scan (no entry is read) and the counters."""
+        """Entries and bytes from one directory scan (no entry is read) and the
+        counters: those folded into ``stats.json`` plus the journals not yet folded."""
         entries, size = self._total()
-        counters = self._read_counters()
+        counters = self._read_json(self._stats)
+        pending = {c: 0 for c in _COUNTERS}
+        with contextlib.suppress(OSError):
+            for item in os.scandir(self._tmp):
+                kind = item.name.rsplit(".", 1)[-1]
+                if item.name.startswith("fold.") and kind in pending:
+                    pending[kind] += item.stat(follow_symlinks=False).st_size
+        for c in _COUNTERS:
+            with contextlib.suppress(OSError):
+                pending[c] += os.lstat(self._counter_file(c)).st_size
         return StoreStats(
             entries=entries,
             bytes=size,
-            hits=int(counters.get("hits", 0)),
-            misses=int(counters.get("misses", 0)),
-            corrupt=int(counters.get("corrupt", 0)),
+            hits=int(counters.get("hits", 0)) + pending["hits"],
+            misses=int(counters.get("misses", 0)) + pending["misses"],
+            corrupt=int(counters.get("corrupt", 0)) + pending["corrupt"],
             max_bytes=self.max_bytes,
         )
 
@@ -642,48 +797,73 @@ class LocalStore:
         if self.off is not None:
             return
         try:
-            with self._locked():
-                counters = self._read_counters()
-                counters[counter] = int(counters.get(counter, 0)) + 1
-                self._write_counters(counters)
+            self._append(self._counter_file(counter), b".")
         except OSError as exc:  # counters are best effort
-            log.debug("loom cache: could not update counters: %s", exc)
+            log.debug("loom cache: could not count a %s: %s", counter, exc)
 
-    def _read_counters(self) -> dict[str, Any]:
+    def _read_json(self, path: Path) -> dict[str, Any]:
         try:
-            fd = os.open(self._stats, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
             with os.fdopen(fd, "rb") as f:
                 data = json.loads(f.read())
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
 
-    def _write_counters(self, counters: dict[str, Any]) -> None:
-        tmp = self._tmp / f"stats.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+    def _write_json(self, path: Path, value: dict[str, Any]) -> None:
+        tmp = self._tmp / f"{path.stem}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC | _BINARY
         fd = os.open(tmp, flags, self._file_mode)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(json.dumps(counters).encode())
-            os.replace(tmp, self._stats)
+                f.write(json.dumps(value).encode())
+            os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
 
+    # -- locks ---------------------------------------------------------------
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        lock_path = self._dir / "lock"
-        try:
-            st = os.lstat(lock_path)
-        except FileNotFoundError:
-            pass
-        else:
-            if not stat.S_ISREG(st.st_mode):
-                raise UnsafeStoreError(
-                    errno.ELOOP, f"{lock_path} is not a regular file (a symlink?); not followed"
-                )
-        with self._lock:
+    def _locked(self, lock: filelock.FileLock, timeout: float) -> Iterator[None]:
+        """Hold ``lock``, waiting at most ``timeout`` (``filelock.Timeout`` past it)."""
+        _check_regular(Path(lock.lock_file))
+        with lock.acquire(timeout=timeout):
             yield
+
+    @contextlib.contextmanager
+    def _try_locked(self, lock: filelock.FileLock) -> Iterator[bool]:
+        """Hold ``lock`` if it is free right now; yields whether it is held."""
+        try:
+            _check_regular(Path(lock.lock_file))
+            lock.acquire(timeout=0)
+        except (OSError, filelock.Timeout):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            lock.release()
+
+
+def _check_regular(path: Path) -> None:
+    """``path`` is a regular file or absent: never a symlink loom would follow."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeStoreError(
+            errno.ELOOP, f"{path} is not a regular file (a symlink?); not followed"
+        )
+
+
+def _sum_lines(path: Path) -> int:
+    total = 0
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                total += int(line)
+    return total
 
 
 def _stat(where: Any, name: str) -> os.stat_result:

@@ -1,17 +1,27 @@
 """The fleet tier: entries in Redis (``TORCHLOOM_REMOTE_CACHE=redis://host:port/db``).
 
-Bounded waits: every call has one overall deadline (``remote_timeout_s``)
-covering connect, send and receive together. redis-py's own socket timeouts
-bound each socket operation; on top of them, the connection's socket is
+Bounded waits and bounded memory: every operation (a lookup, a put) has one
+overall deadline (``remote_timeout_s``) covering connect, send, receive and
+reply parsing, and every reply a byte budget. redis-py's own socket timeouts
+bound each socket operation; on top of them the connection's socket is
 wrapped so that each read and write may only wait for what is left of the
-call's deadline, so a server that drips one byte at a time cannot stretch a
-call past it. Retries are off. Any failure surfaces as
-:class:`StoreUnavailable` so the tiered store can go on with the local tier.
+deadline, and a reply may only bring the bytes the call asked for (redis-py has
+no reply-size limit of its own), so a server that drips bytes, or announces a
+2 GB value, cannot stretch a lookup past the deadline or grow memory past the
+budget. Values are read with ``GETRANGE`` in chunks into one buffer sized from
+the entry's header, refused past ``remote_max_bytes``. Retries are off.
+
+Failures: any failure of a call, whatever its exception type, surfaces as
+:class:`StoreUnavailable` (the tiered store then logs it and its circuit
+breaker skips the tier), and the pool's idle connections are dropped so a
+half-set-up connection is never reused. A problem of one key (a ``WRONGTYPE``
+value, a corrupt, forged or oversized entry) is a miss for that key only.
 
 Trust: with a key set (``TORCHLOOM_CACHE_KEY``) entries are written signed and
 only entries whose HMAC checks out are served; without one, the tier serves
-unsigned entries only when ``remote_trust="unsigned"`` was chosen. Keys live
-under ``torchloom:v1:<namespace>:<digest>`` and an entry records its
+unsigned entries only when ``remote_trust="unsigned"`` was chosen. An entry
+the tier refuses warns once per process (later ones log at debug level). Keys
+live under ``torchloom:v1:<namespace>:<digest>`` and an entry records its
 namespace, so tenants sharing a server never see each other's entries.
 Entries expire after ``ttl_seconds`` (Redis' own ``maxmemory`` policy bounds
 the size). The URL enters messages only redacted (``redis://user:***@host``).
@@ -19,7 +29,9 @@ the size). The URL enters messages only redacted (``redis://user:***@host``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import socket
 import threading
 import time
@@ -27,21 +39,61 @@ from collections.abc import Iterator
 from typing import Any, Final
 
 from loom_cache._config import CacheConfig, redact, redact_url
-from loom_cache._entry import Entry, EntryError, decode_checked, decode_header, encode_entry
+from loom_cache._entry import (
+    MAC_BYTES,
+    Entry,
+    EntryError,
+    decode_checked,
+    decode_header,
+    encode_entry,
+)
 from loom_cache._key import CacheKey
 from loom_cache._store import EntryInfo, Lookup, PutResult, StoreUnavailable
 
+log = logging.getLogger("torchloom.cache")
+
 PREFIX: Final = "torchloom:v1:"
 DEFAULT_TTL_S: Final = 14 * 24 * 3600
+#: One ``GETRANGE`` reads at most this much (a value's first read holds its header).
+CHUNK_BYTES: Final = 4 << 20
+#: What a reply may bring beyond the bytes asked for (framing), and what a reply
+#: that asks for no value (``SET``, ``DEL``, a ``SCAN`` page, the handshake) may bring.
+_REPLY_SLACK: Final = 64 << 10
+_SMALL_REPLY: Final = 1 << 20
+_HEADER_READ: Final = 64 << 10
+_warned_refusals: set[str] = set()
+
+
+class ReplyTooLarge(Exception):
+    """A reply brought more bytes than its call allows (not an ``OSError``, so that
+    redis-py's reader passes it through unchanged)."""
+
+
+class KeyRefused(Exception):
+    """One key cannot be served (a ``WRONGTYPE`` value, an unexpected reply type, an
+    entry past the read limit): a miss for that key, never for the tier."""
 
 
 class Deadline(threading.local):
-    """The monotonic time the current call must end by (per thread), or None."""
+    """The monotonic time the current operation must end by, and the bytes its
+    current call may still receive (per thread; None: unbounded)."""
 
     at: float | None = None
+    budget: int | None = None
+    limit: int = 0
 
     def remaining(self) -> float | None:
         return None if self.at is None else self.at - time.monotonic()
+
+    def charge(self, received: int) -> None:
+        if self.budget is None:
+            return
+        self.budget -= received
+        if self.budget < 0:
+            raise ReplyTooLarge(
+                f"the server sent more than {self.limit} bytes for one reply "
+                "(see TORCHLOOM_REMOTE_CACHE_MAX_BYTES)"
+            )
 
 
 class DeadlineSocket:
@@ -70,11 +122,15 @@ class DeadlineSocket:
 
     def recv(self, *args: Any) -> bytes:
         self._bound()
-        return self._sock.recv(*args)
+        data = self._sock.recv(*args)
+        self._deadline.charge(len(data))
+        return data
 
     def recv_into(self, *args: Any) -> int:
         self._bound()
-        return self._sock.recv_into(*args)
+        received = self._sock.recv_into(*args)
+        self._deadline.charge(received)
+        return received
 
     def sendall(self, data: Any, *args: Any) -> None:
         self._bound()
@@ -143,7 +199,7 @@ class RedisStore:
         self.ttl_s = ttl_s
         self.prefix = PREFIX + (f"{config.namespace}:" if config.namespace else "")
         self._deadline = Deadline()
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._response_error: type[Exception] = redis.ResponseError
         scheme = url.split(":", 1)[0].lower()
         base: type[Any] = {
             "rediss": redis.connection.SSLConnection,
@@ -167,39 +223,140 @@ class RedisStore:
     def requires_signature(self) -> bool:
         return self.config.remote_requires_signature
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        self._deadline.at = time.monotonic() + self.timeout_s
+    @contextlib.contextmanager
+    def _operation(self) -> Iterator[None]:
+        """One deadline for everything inside (the calls of one lookup share it)."""
+        outer = self._deadline.at is None
+        if outer:
+            self._deadline.at = time.monotonic() + self.timeout_s
         try:
-            return getattr(self._client, method)(*args, **kwargs)
-        except self._errors as exc:
-            message = redact(f"{type(exc).__name__}: {exc}", self.url)
-            with_deadline = "" if "deadline" in message else f" (deadline {self.timeout_s} s)"
-            raise StoreUnavailable(
-                f"redis at {redact_url(self.url)}: {message}{with_deadline}"
-            ) from None
+            yield
         finally:
-            self._deadline.at = None
+            if outer:
+                self._deadline.at = None
+
+    def _call(self, method: str, *args: Any, reply_bytes: int = _SMALL_REPLY, **kwargs: Any) -> Any:
+        with self._operation():
+            self._deadline.budget = self._deadline.limit = reply_bytes
+            try:
+                return getattr(self._client, method)(*args, **kwargs)
+            except self._response_error as exc:
+                if str(exc).startswith("WRONGTYPE"):
+                    raise KeyRefused(f"the key holds another type of value ({exc})") from None
+                raise self._unavailable(exc) from None
+            except Exception as exc:
+                # NOTE: whatever the type: a hostile or broken server makes redis-py
+                # raise AttributeError, ValueError, ... out of its handshake or parser.
+                raise self._unavailable(exc) from None
+            finally:
+                self._deadline.budget = None
+
+    def _unavailable(self, exc: Exception) -> StoreUnavailable:
+        # A connection that failed mid-handshake or mid-reply is back in the pool,
+        # half set up: drop the idle ones so the next call starts afresh.
+        with contextlib.suppress(Exception):
+            self._client.connection_pool.disconnect(inuse_connections=False)
+        message = redact(f"{type(exc).__name__}: {exc}", self.url)
+        with_deadline = "" if "deadline" in message else f" (deadline {self.timeout_s} s)"
+        return StoreUnavailable(f"redis at {redact_url(self.url)}: {message}{with_deadline}")
+
+    def _refused(self, digest: str, why: str) -> None:
+        """An entry this tier would not serve: a WARNING once per process and server."""
+        where = redact_url(self.url)
+        if where in _warned_refusals:
+            log.debug(
+                "loom cache: the remote tier %s refused entry %s: %s", where, digest[:12], why
+            )
+            return
+        _warned_refusals.add(where)
+        log.warning(
+            "loom cache: the remote tier %s refused entry %s: %s. On a shared server this "
+            "may be someone planting entries; further refusals are logged at debug level",
+            where,
+            digest[:12],
+            why,
+        )
+
+    def _getrange(self, key: Any, start: int, length: int) -> bytes:
+        data = self._call(
+            "getrange", key, start, start + length - 1, reply_bytes=length + _REPLY_SLACK
+        )
+        if not isinstance(data, bytes):
+            raise KeyRefused(f"the server answered GETRANGE with {type(data).__name__}")
+        return data
+
+    def _read(self, key: Any) -> tuple[bytes | bytearray | None, bool]:
+        """The value at ``key`` (None: absent) and whether it took more than one read.
+
+        The first read (at most :data:`CHUNK_BYTES`) holds the entry's header; a larger
+        value is sized from it, refused past ``remote_max_bytes``, and read in chunks
+        into one buffer: memory is the value once, plus one chunk."""
+        limit = self.config.remote_max_bytes
+        first_len = min(CHUNK_BYTES, limit)
+        first = self._getrange(key, 0, first_len)
+        if len(first) < first_len:
+            return (first or None), False
+        try:
+            header, offset = decode_header(first)
+            payload = int(header["payload_bytes"])
+            total = offset + payload + (MAC_BYTES if header.get("signed_by") else 0)
+        except (EntryError, KeyError, TypeError, ValueError):
+            return first, False  # decoding says what is wrong with it
+        if total > limit:
+            raise KeyRefused(
+                f"entry of {total} bytes exceeds the remote read limit of {limit} bytes "
+                "(raise TORCHLOOM_REMOTE_CACHE_MAX_BYTES to read it)"
+            )
+        if total <= len(first):
+            return first, False
+        buf = bytearray(total)
+        buf[: len(first)] = first
+        pos = len(first)
+        del first
+        while pos < total:
+            part = self._getrange(key, pos, min(CHUNK_BYTES, total - pos))
+            if not part:
+                return buf[:pos], True  # shorter than its header says: decoding refuses it
+            buf[pos : pos + len(part)] = part[: total - pos]
+            pos += len(part)
+        return buf, True
 
     def lookup(self, digest: str) -> Lookup:
-        data = self._call("get", self.prefix + digest)
-        if data is None:
-            return Lookup(None, self.name, "absent")
-        try:
-            entry, verified = decode_checked(
-                bytes(data),
-                digest,
-                self.config.keys,
-                self.requires_signature,
-                self.config.namespace,
-            )
-        except EntryError as exc:
-            self._call("delete", self.prefix + digest)
-            return Lookup(None, self.name, f"corrupt entry: {exc}")
+        key = self.prefix + digest
+        with self._operation():
+            try:
+                data, chunked = self._read(key)
+            except KeyRefused as exc:
+                self._refused(digest, str(exc))
+                return Lookup(None, self.name, f"refused: {exc}")
+            if data is None:
+                return Lookup(None, self.name, "absent")
+            try:
+                entry, verified = decode_checked(
+                    data,
+                    digest,
+                    self.config.keys,
+                    self.requires_signature,
+                    self.config.namespace,
+                )
+            except EntryError as exc:
+                self._refused(digest, str(exc))
+                if not chunked:  # NOTE: a chunked read may have met a concurrent rewrite
+                    with contextlib.suppress(StoreUnavailable, KeyRefused):
+                        self._call("delete", key)
+                return Lookup(None, self.name, f"corrupt entry: {exc}")
         return Lookup(entry, self.name, "hit", verified)
 
     def put(self, entry: Entry) -> PutResult:
         key = self.config.keys[0] if self.config.keys else None
         data = encode_entry(entry, key=key, namespace=self.config.namespace)
+        if len(data) > self.config.remote_max_bytes:
+            return PutResult(
+                False,
+                self.name,
+                f"entry of {len(data)} bytes exceeds the remote limit of "
+                f"{self.config.remote_max_bytes} bytes (TORCHLOOM_REMOTE_CACHE_MAX_BYTES)",
+            )
         self._call("set", self.prefix + entry.digest, data, ex=self.ttl_s)
         return PutResult(True, self.name, "stored")
 
@@ -210,38 +367,45 @@ class RedisStore:
     def delete(self, digest: str) -> bool:
         return bool(self._call("delete", self.prefix + digest))
 
-    def _keys(self) -> list[Any]:
-        keys: list[Any] = []
+    def _keys(self) -> list[bytes]:
+        keys: list[bytes] = []
         cursor = 0
         digest_only = not self.config.namespace
         while True:
-            cursor, batch = self._call("scan", cursor, match=self.prefix + "*", count=500)
+            reply = self._call("scan", cursor, match=self.prefix + "*", count=500)
+            try:
+                cursor, batch = int(reply[0]), [bytes(k) for k in reply[1]]
+            except (TypeError, ValueError, IndexError, KeyError):
+                raise StoreUnavailable(
+                    f"redis at {redact_url(self.url)}: unexpected SCAN reply "
+                    f"({type(reply).__name__}); is this a Redis server?"
+                ) from None
             for raw in batch:
-                rest = bytes(raw)[len(self.prefix) :]
+                rest = raw[len(self.prefix) :]
                 if digest_only and b":" in rest:
                     continue  # another namespace's entry
                 keys.append(raw)
-            if int(cursor) == 0:
+            if cursor == 0:
                 return keys
 
     def entries(self) -> Iterator[EntryInfo]:
         for raw_key in self._keys():
-            data = self._call("get", raw_key)
-            if data is None:
-                continue
             try:
-                header, _ = decode_header(bytes(data))
+                head = self._getrange(raw_key, 0, _HEADER_READ)
+                header, offset = decode_header(head)
                 key = CacheKey.from_json(header["key"])
-            except (EntryError, KeyError, TypeError, ValueError):
+                size = offset + int(header["payload_bytes"])
+            except (KeyRefused, EntryError, KeyError, TypeError, ValueError):
                 continue
             created = float(header.get("created", 0.0))
-            yield EntryInfo(key, len(data), created, created)
+            yield EntryInfo(key, size, created, created)
 
     def clear(self) -> int:
         """Remove every entry of this namespace (never another namespace's)."""
         removed = 0
         for raw_key in self._keys():
-            removed += int(self._call("delete", raw_key))
+            reply = self._call("delete", raw_key)
+            removed += reply if isinstance(reply, int) else 0
         return removed
 
     def count(self) -> int:

@@ -7,7 +7,9 @@ into the local tier, but only an entry whose signature this process verified
 remote tier is down or slow (every call has one overall deadline) the store
 logs one warning and a circuit breaker skips the remote tier for
 ``retry_after_s`` seconds (``TORCHLOOM_REMOTE_CACHE_RETRY_AFTER``); the first
-call after that probes it again.
+call after that probes it again. Any exception out of the remote tier counts as
+such a failure, whatever its type: nothing the remote tier raises reaches the
+caller.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ class TieredStore:
     def _remote_usable(self) -> bool:
         return self.remote is not None and time.monotonic() >= self._down_until
 
-    def _remote_failed(self, exc: StoreUnavailable) -> None:
+    def _remote_failed(self, exc: Exception) -> None:
+        if not isinstance(exc, StoreUnavailable):  # a store other than RedisStore
+            exc = StoreUnavailable(f"{getattr(self.remote, 'name', 'remote')}: {exc!r}")
         self.remote_errors += 1
         self._down_until = time.monotonic() + self.retry_after_s
         if not self._warned:
@@ -64,7 +68,7 @@ class TieredStore:
         assert self.remote is not None
         try:
             remote = self.remote.lookup(digest)
-        except StoreUnavailable as exc:
+        except Exception as exc:  # NOTE: the remote tier can never fail a compile
             self._remote_failed(exc)
             return Lookup(None, self.local.name, f"{local.reason}; remote unavailable")
         if remote.entry is not None:
@@ -80,7 +84,7 @@ class TieredStore:
             assert self.remote is not None
             try:
                 remote = self.remote.put(entry)
-            except StoreUnavailable as exc:
+            except Exception as exc:
                 self._remote_failed(exc)
             else:
                 if remote.stored and not local.stored:
@@ -93,7 +97,7 @@ class TieredStore:
             assert self.remote is not None
             try:
                 removed = self.remote.delete(digest) or removed
-            except StoreUnavailable as exc:
+            except Exception as exc:
                 self._remote_failed(exc)
         return removed
 
@@ -106,7 +110,7 @@ class TieredStore:
             assert self.remote is not None
             try:
                 removed += self.remote.clear()
-            except StoreUnavailable as exc:
+            except Exception as exc:
                 self._remote_failed(exc)
         return removed
 
@@ -115,14 +119,22 @@ def open_default_store(config: CacheConfig | None = None) -> TieredStore:
     """The tiered store ``config`` describes (default: :meth:`CacheConfig.from_env`):
     the local store, plus Redis when a remote URL is set and its entries can be
     trusted (a key is set, or ``remote_trust="unsigned"``; otherwise the remote
-    tier is off, as the configuration warned). An unusable URL only warns."""
+    tier is off, as the configuration warned; and off when a configured key file
+    is missing). An unusable URL only warns."""
+    return open_store(config)
+
+
+def open_store(config: CacheConfig | None = None, *, create: bool = True) -> TieredStore:
+    """:func:`open_default_store`; ``create=False`` leaves a missing directory missing
+    (``torchloom cache stats`` and the other read-only commands)."""
     from loom_cache._config import redact, redact_url
     from loom_cache._redis import RedisStore
 
     config = config if config is not None else CacheConfig.from_env()
     remote: Store | None = None
     url = config.remote_url
-    if url and not (config.remote_requires_signature and not config.signing):
+    trusted = config.signing or not config.remote_requires_signature
+    if url and trusted and config.key_missing is None:
         try:
             remote = RedisStore(url, config=config)
         except (StoreUnavailable, ValueError, TypeError) as exc:
@@ -131,4 +143,4 @@ def open_default_store(config: CacheConfig | None = None) -> TieredStore:
                 redact_url(url),
                 redact(str(exc), url),
             )
-    return TieredStore(LocalStore(config=config), remote)
+    return TieredStore(LocalStore(config=config, create=create), remote)

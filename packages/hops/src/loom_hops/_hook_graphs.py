@@ -185,9 +185,12 @@ def trace_pack_graph(
     pack: Callable[[torch.Tensor], Any],
     saved: torch.Tensor,
     decompositions: Decompositions | None,
+    *,
+    where: str | None = None,
 ) -> TracedPack | Unsupported:
-    """Trace ``pack`` once at ``saved``; constants in its result are recorded, not returned."""
-    where = f"pack hook {getattr(pack, '__qualname__', type(pack).__name__)}"
+    """Trace ``pack`` once at ``saved``; constants in its result are recorded, not returned.
+    ``where`` names the user's hook in refusals (default: ``pack``'s own name)."""
+    where = where or f"pack hook {_name(pack)}"
     layouts: list[PackedLayout | Unsupported] = []
 
     def flat_pack(x: torch.Tensor) -> tuple[Any, ...]:
@@ -230,9 +233,12 @@ def trace_unpack_graph(
     pack: TracedPack,
     saved: torch.Tensor,
     decompositions: Decompositions | None,
+    *,
+    where: str | None = None,
 ) -> TracedUnpack | Unsupported:
-    """Trace ``unpack`` at the pack outputs; check it gives back ``saved``'s dtype/shape/device."""
-    where = f"unpack hook {getattr(unpack, '__qualname__', type(unpack).__name__)}"
+    """Trace ``unpack`` at the pack outputs; check it gives back ``saved``'s dtype/shape/device.
+    ``where`` names the user's hook in refusals (default: ``unpack``'s own name)."""
+    where = where or f"unpack hook {_name(unpack)}"
 
     def flat_unpack(*crossing: Any) -> Any:
         return unpack(rebuild_packed(pack.layout, crossing))
@@ -273,6 +279,10 @@ def trace_unpack_graph(
         )
     _flatten_output(graph)
     return TracedUnpack(graph)
+
+
+def _name(fn: Any) -> str:
+    return str(getattr(fn, "__qualname__", type(fn).__name__))
 
 
 def _flatten_output(graph: torch.fx.GraphModule) -> None:

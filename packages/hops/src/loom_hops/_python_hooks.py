@@ -178,6 +178,12 @@ class TracedPythonHooks:
             return str(getattr(fn, "__qualname__", type(fn).__name__))
         return f"{code.co_filename}:{code.co_firstlineno}"
 
+    def _named(self, role: str) -> str:
+        """The user's hook as refusals name it (the graphs trace loom's wrapper of it)."""
+        fn = _hook(self.pair, role)
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        return f"{role} hook {name} ({self._where(fn)})"
+
     def _trace(self, role: str, args: tuple[Any, ...]) -> _Traced | Unsupported:
         fn = _hook(self.pair, role)
         checked = _check(trace_hook(fn, args), self._where(fn))
@@ -192,7 +198,9 @@ class TracedPythonHooks:
         traced = self._packs[key]
         if isinstance(traced, Unsupported):
             return traced
-        result = trace_pack_graph(traced.call_pure, saved, self.decompositions)
+        result = trace_pack_graph(
+            traced.call_pure, saved, self.decompositions, where=self._named("pack")
+        )
         if isinstance(result, Unsupported):
             return result
         return dataclasses.replace(
@@ -204,7 +212,9 @@ class TracedPythonHooks:
         traced = self._trace("unpack", (packed,))
         if isinstance(traced, Unsupported):
             return traced
-        result = trace_unpack_graph(traced.call_pure, pack, saved, self.decompositions)
+        result = trace_unpack_graph(
+            traced.call_pure, pack, saved, self.decompositions, where=self._named("unpack")
+        )
         if isinstance(result, Unsupported):
             return result
         return dataclasses.replace(result, effects=traced.effects((packed,), "unpack"))

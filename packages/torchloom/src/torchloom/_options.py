@@ -4,18 +4,23 @@ One :class:`LoomOptions` value describes a compilation. It is built from three
 layers, later ones winning: the field defaults, environment variables
 ``TORCHLOOM_<FIELD>`` and the ``mode=`` / ``options=`` arguments that
 ``torch.compile`` passes to the backend. Every value is validated on the way in:
-an unknown key or a wrong type raises :class:`LoomOptionsError` naming the key
-and listing what is valid.
+an unknown key, a wrong type or a number out of range raises
+:class:`LoomOptionsError` naming the key and what is valid (the closest name for
+a misspelt one). A ``TORCHLOOM_*`` variable that no part of torchloom reads warns
+once with the closest name; ``cudagraphs=True`` on a machine without CUDA warns
+once (graphs then run without CUDA graphs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Final, Literal, get_args, get_origin
 
 __all__ = ["MODES", "LoomOptions", "LoomOptionsError", "resolve_options"]
 
@@ -83,6 +88,29 @@ MODES: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
     }
 )
 
+log = logging.getLogger("torchloom.options")
+
+#: The least value of each integer option (``CudagraphOptions`` takes 0 for its
+#: budgets; ``capture_step``'s own options are checked where they are resolved,
+#: ``torchloom._capture_step``).
+_MINIMUM: Final[Mapping[str, int]] = types.MappingProxyType(
+    {
+        "cudagraph_max_recording": 0,
+        "cudagraph_min_segment_nodes": 0,
+        "cudagraph_max_shapes": 0,
+        "saved_tensor_hooks_variants": 0,
+    }
+)
+#: ``TORCHLOOM_*`` variables read outside the options (besides the cache's own).
+_OTHER_VARIABLES: Final = (
+    "TORCHLOOM_LOG",
+    "TORCHLOOM_CHECKS",
+    # capture_step's options (torchloom._capture_step resolves them)
+    "TORCHLOOM_CAPTURE_STEP_WARMUP",
+    "TORCHLOOM_CAPTURE_STEP_MAX_RECORDINGS",
+)
+_warned: set[str] = set()
+
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
@@ -105,6 +133,12 @@ def _valid_keys() -> str:
     return ", ".join(f"{n} ({_describe_type(_field_type(n))})" for n in _fields())
 
 
+def _closest(name: str, names: Any) -> str:
+    """`` did you mean 'x'?`` for the closest of ``names``, or nothing."""
+    close = difflib.get_close_matches(name, sorted(names), n=1)
+    return f" did you mean {close[0]!r}?" if close else ""
+
+
 def _check_value(name: str, value: Any, origin: str) -> Any:
     tp = _field_type(name)
     if get_origin(tp) is Literal:
@@ -115,6 +149,11 @@ def _check_value(name: str, value: Any, origin: str) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            least = _MINIMUM.get(name)
+            if least is not None and value < least:
+                raise LoomOptionsError(
+                    f"loom option {name!r} from {origin} got {value}; it must be at least {least}"
+                )
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -163,6 +202,7 @@ def resolve_options(
     """
     env = os.environ if env is None else env
     fields = _fields()
+    _warn_unknown_variables(env)
     values: dict[str, Any] = {}
     for name in fields:
         raw = env.get(f"TORCHLOOM_{name.upper()}")
@@ -177,6 +217,50 @@ def resolve_options(
         values.update(MODES[mode])
     for key, value in (options or {}).items():
         if key not in fields:
-            raise LoomOptionsError(f"unknown loom option {key!r}; valid options: {_valid_keys()}")
+            raise LoomOptionsError(
+                f"unknown loom option {key!r};{_closest(str(key), fields)} "
+                f"valid options: {_valid_keys()}"
+            )
         values[key] = _check_value(key, value, "options=")
-    return LoomOptions(**values)
+    resolved = LoomOptions(**values)
+    if resolved.cudagraphs:
+        _warn_without_cuda()
+    return resolved
+
+
+def _known_variables() -> set[str]:
+    from loom_cache import ENVIRONMENT_VARIABLES
+
+    options = {f"TORCHLOOM_{name.upper()}" for name in _fields()}
+    return options | set(ENVIRONMENT_VARIABLES) | set(_OTHER_VARIABLES)
+
+
+def _warn_unknown_variables(env: Mapping[str, str]) -> None:
+    """A ``TORCHLOOM_*`` variable nothing reads (a typo, say) warns once per name."""
+    names = [n for n in env if n.startswith("TORCHLOOM_") and n not in _warned]
+    if not names:
+        return
+    known = _known_variables()
+    for name in names:
+        _warned.add(name)
+        if name not in known:
+            log.warning(
+                "torchloom: ignoring the environment variable %s: torchloom reads no such "
+                "variable;%s",
+                name,
+                _closest(name, known) or " docs/torchloom.md lists the ones it reads",
+            )
+
+
+def _warn_without_cuda() -> None:
+    """``cudagraphs=True`` where CUDA is not available: said once, never an error."""
+    if "cudagraphs" in _warned:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        _warned.add("cudagraphs")
+        log.warning(
+            "torchloom: cudagraphs=True (or mode='reduce-overhead') on a machine without "
+            "CUDA: graphs run without CUDA graphs"
+        )
