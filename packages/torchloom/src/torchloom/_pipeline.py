@@ -448,8 +448,10 @@ class _ColdCompilers:
         self.num_orig_outputs = compat.num_model_outputs(gm)
         self.inductor_state: compat.InductorCompileState | None = None
         if self.snapshot.options.codegen == "inductor":
-            # Inductor's own set-up: every Inductor compile pays it, loom or not.
+            # Inductor's own set-up: every Inductor compile pays it, loom or not; the
+            # compile workers start now, while AOTAutograd traces, as Inductor's do.
             with self.snapshot.record.timed("inductor.setup", owner="torch"):
+                compat.warm_compile_workers(self.snapshot.example_inputs)
                 self.inductor_state = compat.InductorCompileState(gm)
 
     def as_kwargs(self) -> dict[str, Any]:

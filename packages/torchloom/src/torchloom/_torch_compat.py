@@ -169,6 +169,23 @@ class InductorCompileState:
         self.extra = make(gm) if from_graph else make(inductor_config)
 
 
+def warm_compile_workers(example_inputs: Sequence[Any]) -> None:
+    """Start Inductor's compile-worker pool, as ``backend="inductor"`` does on entry
+    (``maybe_warm_pool``), and wake its workers for GPU inputs (``compile_fx``).
+
+    Kernels compile in the pool only once it is ready (Triton kernels compile in
+    the main process, one at a time, until then): a pool started when the first
+    kernel asks for it is late for most of a cold compile's kernels.
+    """
+    from torch._inductor import async_compile
+
+    async_compile.maybe_warm_pool()
+    if any(
+        isinstance(x, torch.Tensor) and x.device.type in ("cuda", "xpu") for x in example_inputs
+    ):
+        async_compile.AsyncCompile.wakeup()
+
+
 def inductor_compile_inner(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """Inductor's per-graph compiler, with Inductor's own CUDA graphs off
     (loom's runtime owns CUDA graphs)."""
