@@ -15,8 +15,8 @@ One table, on CPU as on GPU, per workload of ``bench_foundation`` (``workloads.p
   the backends. loom's ``import torchloom`` is inside the span (the user pays it).
 
 On CUDA the first-step spans are wall time. On CPU they are the process's CPU
-time (its own plus the compiler processes it waited for, with
-``TORCHINDUCTOR_COMPILE_THREADS=1`` so that every compile is waited for): the
+time, its own and its C++ compilers' (Inductor compiles CPU kernels on threads
+that wait for each compiler process; no worker process is involved): the
 shared 2-core CPU machines run other jobs, which stretch wall time by 2x at
 random, not CPU time. CPU steps are timed with ``time.process_time`` on one
 intra-op thread, for the same reason.
@@ -131,12 +131,15 @@ def _child(backend: str, workload: str, device: str, quick: bool, profile: str) 
 
 
 def _write_profile(prof: Any, path: Path, top: int = 40) -> None:
-    """The top entries by cumulative time, with machine paths made relative."""
+    """The top entries by cumulative time, then loom's own, with paths made relative."""
     import io
     import pstats
 
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
+    stats = pstats.Stats(prof, stream=text).sort_stats("cumulative")
+    stats.print_stats(top)
+    print("loom's own functions (packages/), by cumulative time:", file=text)
+    stats.print_stats(r"/packages/\w+/src/", 25)
     out = re.sub(r"\S*/site-packages/", "", text.getvalue())
     out = re.sub(r"\S*/(packages|benchmarks)/", r"\1/", out)
     out = re.sub(r"/\S*/(lib/python3\.\d+/)", r"\1", out)
@@ -163,8 +166,6 @@ def _run_child(
         TRITON_CACHE_DIR=str(caches / "triton"),
         TORCHLOOM_CACHE_DIR=str(caches / "loom"),
     )
-    if device == "cpu":
-        env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     cmd = [sys.executable, __file__, _CHILD, backend, workload, device, str(int(quick)), profile]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:

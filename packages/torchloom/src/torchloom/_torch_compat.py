@@ -170,20 +170,20 @@ class InductorCompileState:
 
 
 def warm_compile_workers(example_inputs: Sequence[Any]) -> None:
-    """Start Inductor's compile-worker pool, as ``backend="inductor"`` does on entry
-    (``maybe_warm_pool``), and wake its workers for GPU inputs (``compile_fx``).
+    """Wake Inductor's compile-worker pool for GPU inputs, as ``compile_fx`` does on
+    entry (``AsyncCompile.wakeup``), before AOTAutograd traces.
 
-    Kernels compile in the pool only once it is ready (Triton kernels compile in
-    the main process, one at a time, until then): a pool started when the first
-    kernel asks for it is late for most of a cold compile's kernels.
+    Triton kernels compile in the pool only once it is ready, in the main process
+    one at a time until then: a pool first asked for by the first kernel is late
+    for most of a cold compile's kernels. CPU inputs start nothing (C++ kernels
+    compile on threads; ``compile_fx`` starts no pool for them either).
     """
-    from torch._inductor import async_compile
-
-    async_compile.maybe_warm_pool()
     if any(
         isinstance(x, torch.Tensor) and x.device.type in ("cuda", "xpu") for x in example_inputs
     ):
-        async_compile.AsyncCompile.wakeup()
+        from torch._inductor.async_compile import AsyncCompile
+
+        AsyncCompile.wakeup()
 
 
 def inductor_compile_inner(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
