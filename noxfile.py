@@ -10,6 +10,8 @@ torch releases (docs/releases.md): the ``unit-*``, ``mypy``, ``integration`` and
 ``lint`` sessions run on the locked torch (2.11); ``newest`` runs every package's
 unit tests and the integration corpus on the newest release; ``smoke`` runs
 ``tests_integration/test_release_smoke.py`` on each release in between.
+``bench-default`` guards the default path against Inductor (a quick CPU run of
+``benchmarks/bench_default.py --check``).
 """
 
 from __future__ import annotations
@@ -130,6 +132,23 @@ def smoke(session: nox.Session, torch_version: str) -> None:
     _install_release(session, torch_version)
     session.run(
         "pytest", "tests_integration/test_release_smoke.py", *session.posargs, env=_pytest_env()
+    )
+
+
+@nox.session(name="bench-default", python=PYTHON)
+def bench_default(session: nox.Session) -> None:
+    """The default path's CPU guard (issue 23): ``backend="loom"`` against
+    ``backend="inductor"`` per step and at the first step, cold and warm, each in
+    fresh processes; fails when a ratio passes the generous CPU bound (1.3x).
+    Prints one table and appends nothing; the GPU tier runs the same script with
+    its tight bounds."""
+    _sync(session, "--all-packages")
+    session.run(
+        "python",
+        "benchmarks/bench_default.py",
+        *("--device", "cpu", "--quick", "--check", "--no-append"),
+        *session.posargs,
+        env={"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")},
     )
 
 

@@ -8,6 +8,7 @@
 #   bash scripts/gpu_tier.sh                 # tests + benchmarks
 #   GPU_TIER=tests bash scripts/gpu_tier.sh  # only tests (or: bench)
 #   GPU_TESTS_ARGS="-x" GPU_TESTS_K="cudagraph or cache" GPU_BENCHES="bench_cudagraph" bash scripts/gpu_tier.sh
+#   GPU_TIER=bench GPU_BENCHES="bench_default" BENCH_ARGS="--workloads gpt_train" bash scripts/gpu_tier.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}
@@ -48,7 +49,8 @@ if [ "${GPU_TIER:-all}" != tests ]; then
     name=$(basename "$bench" .py)
     if [ -n "${GPU_BENCHES:-}" ] && [[ " $GPU_BENCHES " != *" $name "* ]]; then continue; fi
     echo "=== $name"
-    timeout "${BENCH_TIMEOUT:-300}" "$PY" "$bench" --device cuda 2>&1 | tee -a "$OUT/bench.log"
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-300}" "$PY" "$bench" --device cuda ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "!!! $name failed"; status=1; }
   done
   tar czf "$OUT/results.tar.gz" benchmarks/results 2>/dev/null || true

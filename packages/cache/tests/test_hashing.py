@@ -72,3 +72,13 @@ def test_recursive_functions_and_cyclic_containers_terminate() -> None:
     cyclic.append(cyclic)
     assert function_digest(fact) == function_digest(fact)
     assert stable_digest(cyclic) == stable_digest(cyclic)
+
+
+def test_plain_values_keep_their_pinned_digest() -> None:
+    """The digest of settings-like values is part of every stored key: a faster path
+    for plain types must write exactly what the general one wrote."""
+    value = {"b": [1, (2.0, None)], "a": 1, "c": True, "d": {"x": "y"}, "e": b"z", "f": 3.5}
+    pinned = "d25e5d2bdff552732f2a34a4d69421de2980261f840c4537e6ea13fc7f4963a5"
+    assert stable_digest(value) == pinned
+    assert stable_digest(dict(reversed(list(value.items())))) == pinned
+    assert stable_digest([value, value]) == stable_digest([dict(value), dict(value)])

@@ -281,3 +281,32 @@ def test_dynamo_control_flow_exceptions_propagate_and_are_never_a_fallback(
     (g,) = torchloom.report()
     assert g.fallback is None
     assert [e.kind for e in g.entries if e.area == "pipeline"] == ["restart"]
+
+
+@pytest.mark.parametrize(
+    ("device", "wakes"),
+    [
+        pytest.param("cpu", 0, marks=pytest.mark.inductor),
+        pytest.param("cuda", 1, marks=pytest.mark.gpu),
+    ],
+)
+def test_a_cold_inductor_compile_wakes_the_compile_workers_for_gpu_inputs_only(
+    device: str, wakes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ``compile_fx`` does on entry: GPU inputs wake the worker pool before
+    AOTAutograd traces (Triton kernels then compile in parallel from the first one);
+    CPU inputs start no pool (C++ kernels compile on threads)."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    calls: list[str] = []
+    wakeup = AsyncCompile.wakeup
+
+    def counting() -> None:
+        calls.append("wakeup")
+        wakeup()
+
+    monkeypatch.setattr(AsyncCompile, "wakeup", staticmethod(counting))
+    f = torch.compile(lambda x: x.sin() + 1, backend="loom", options={"cache": False})
+    x = torch.randn(8, device=device)
+    torch.testing.assert_close(f(x), x.sin() + 1)
+    assert calls == ["wakeup"] * wakes

@@ -196,6 +196,63 @@ def test_second_process_gets_a_full_hit_with_identical_outputs_and_gradients(
     assert runs[0][1:] == runs[1][1:]
 
 
+_COUNTED_PROCESS = r"""
+import torch, torchloom, loom_cache, loom_hops
+import torch._functorch.aot_autograd as aot
+from loom_hops import _hook_graphs
+from torchloom import _pipeline
+calls = {"aot_trace": 0, "hook_trace": 0, "cold": 0, "fingerprint": 0}
+def counted(owner, name, key):
+    original = getattr(owner, name)
+    def wrapper(*args, **kwargs):
+        calls[key] += 1
+        return original(*args, **kwargs)
+    setattr(owner, name, wrapper)
+counted(aot, "aot_stage1_graph_capture", "aot_trace")
+counted(_hook_graphs.GraphModuleHooks, "trace_pack", "hook_trace")
+counted(_pipeline, "compile_cold", "cold")
+counted(loom_cache, "graph_fingerprint", "fingerprint")
+class Scale(torch.nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+    def forward(self, x):
+        return x * self.scale
+pack, unpack = (torch.fx.symbolic_trace(Scale(s)) for s in (2.0, 0.5))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+compiled = torch.compile(model, backend="loom", options={"codegen": "eager"})
+with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    loss = compiled(torch.ones(5, 8)).pow(2).sum()
+loss.backward()
+kinds = ",".join(e.kind for e in torchloom.report().entries("cache"))
+print(kinds, ",".join(f"{k}={v}" for k, v in sorted(calls.items())), repr(loss.item()))
+"""
+
+
+def test_a_hit_in_another_process_traces_nothing_and_hashes_the_graph_once(
+    _fresh: Path,
+) -> None:
+    """A warm process is served: no AOTAutograd trace, no hook tracing, no cold
+    compile, and the key fingerprints the Dynamo graph once."""
+    env = {**os.environ, "TORCHLOOM_CACHE_DIR": str(_fresh)}
+    cold, warm = (
+        subprocess.run(
+            [sys.executable, "-c", _COUNTED_PROCESS],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        for _ in range(2)
+    )
+    assert cold[0] == "miss,stored" and warm[0] == "hit"
+    cold_calls = dict(kv.split("=") for kv in cold[1].split(","))
+    assert int(cold_calls["aot_trace"]) == 1 and int(cold_calls["hook_trace"]) > 0
+    assert warm[1] == "aot_trace=0,cold=0,fingerprint=1,hook_trace=0"
+    assert warm[2] == cold[2]
+
+
 class _Layers(torch.nn.Module):
     # NOTE: a module of the user's own: Dynamo graph-breaks at DDP's forward and
     # compiles the wrapped module's forward as a frame of its own, which it skips

@@ -251,6 +251,32 @@ def test_hooks_that_change_between_calls_recompile_and_match_eager() -> None:
     assert len(torchloom.report()) == 4
 
 
+def test_without_hooks_a_call_does_no_hook_matching_and_hooks_later_recompile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The frame compiled without hooks guards on "none active" with one C call: no
+    Python pair matching runs per call, and a call under hooks still recompiles."""
+    from loom_hops import _runtime
+
+    matched = {"n": 0}
+    pair_mismatch = _runtime.pair_mismatch
+
+    def counting(*args: Any) -> Any:
+        matched["n"] += 1
+        return pair_mismatch(*args)
+
+    monkeypatch.setattr(_runtime, "pair_mismatch", counting)
+    model, x = _mlp(), torch.randn(8, 16)
+    compiled = torch.compile(model, backend="loom", options=OPTS)
+    for _ in range(5):
+        _train_step(compiled, model, x, None)
+    assert matched["n"] == 0 and len(torchloom.report()) == 1
+    want = _train_step(model, model, x, (bf16_pack, cast_unpack))
+    _assert_same(_train_step(compiled, model, x, (bf16_pack, cast_unpack)), want)
+    assert len(torchloom.report()) == 2
+    assert [e.kind for e in torchloom.report()[1].entries if e.area == "hooks"][-1] == "placed"
+
+
 def test_no_grad_calls_pack_nothing() -> None:
     rec = Recorder()
     compiled = torch.compile(_mlp(), backend="loom", options=OPTS)

@@ -6,6 +6,7 @@ the backend's identity and options.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import platform
 import sys
@@ -19,7 +20,9 @@ from loom_cache._key import KeyComponent, mapping_component
 __version__ = "0.1.0"
 
 
+@functools.cache
 def _dist_version(name: str) -> str:
+    """An installed distribution's version, read once per process (a metadata scan)."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import math
 import sys
@@ -76,13 +77,29 @@ class _Hasher:
         return self._h.hexdigest()
 
     def _tag(self, tag: str, payload: bytes = b"") -> None:
-        self._h.update(tag.encode())
-        self._h.update(len(payload).to_bytes(8, "little"))
-        self._h.update(payload)
+        self._h.update(tag.encode() + len(payload).to_bytes(8, "little") + payload)
 
     def feed(self, value: object, depth: int) -> None:
         if depth > _MAX_DEPTH:
             raise UnhashableValue(f"value nested deeper than {_MAX_DEPTH} levels")
+        # NOTE: the exact plain types first (configuration mappings are thousands of
+        # them per key); each branch writes what the general chain below would.
+        kind = type(value)
+        if kind is str:
+            self._tag("str", value.encode("utf-8", "surrogatepass"))  # type: ignore[attr-defined]
+        elif kind is bool:
+            self._tag("bool", b"1" if value else b"0")
+        elif kind is int:
+            self._tag("int", str(value).encode())
+        elif kind is dict:
+            self._guarded(value, lambda: self._dict(value, depth))  # type: ignore[arg-type]
+        elif kind is tuple or kind is list:
+            self._tag(kind.__name__, str(len(value)).encode())  # type: ignore[arg-type]
+            self._guarded(value, lambda: self._seq(value, depth))
+        else:
+            self._feed_other(value, depth)
+
+    def _feed_other(self, value: object, depth: int) -> None:
         if value is None or value is Ellipsis or value is NotImplemented:
             self._tag("const", repr(value).encode())
         elif isinstance(value, bool):
@@ -178,7 +195,7 @@ class _Hasher:
             self.feed(item, depth + 1)
 
     def _dict(self, mapping: dict[Any, Any], depth: int) -> None:
-        items = sorted(((stable_digest(k), v) for k, v in mapping.items()), key=lambda kv: kv[0])
+        items = sorted(((_key_digest(k), v) for k, v in mapping.items()), key=lambda kv: kv[0])
         self._tag("dict", str(len(items)).encode())
         for key_digest, item in items:
             self._tag("key", key_digest.encode())
@@ -240,6 +257,16 @@ class _Hasher:
                 self._code(const, depth + 1)
             else:
                 self.feed(const, depth + 1)
+
+
+@functools.lru_cache(maxsize=16384)
+def _str_digest(key: str) -> str:
+    return stable_digest(key)
+
+
+def _key_digest(key: object) -> str:
+    """A mapping key's digest; string keys (setting names) are remembered per process."""
+    return _str_digest(key) if type(key) is str else stable_digest(key)
 
 
 def _is_library(fn: types.FunctionType) -> bool:

@@ -51,6 +51,11 @@ def install_hooks_guard(pair: HookPair | None, graphs: HookGraphs | None = None)
     when no Dynamo compile is running.
     """
 
+    if pair is None and graphs is None:
+        # NOTE: every frame compiled without hooks carries this guard; it runs on each
+        # call, so it is the one C call (no Python matching) when no pair is active.
+        return compat.install_no_hooks_guard("loom: no saved_tensors_hooks are active")
+
     def check() -> bool:
         return pair_mismatch(pair, active_saved_tensors_hooks(), graphs) is None
 

@@ -157,6 +157,17 @@ def install_dynamo_guard(check: Callable[[], bool], description: str) -> bool:
     where it is false recompiles (bounded by Dynamo's recompile limit, after
     which the frame runs eagerly). Returns ``False`` outside a Dynamo compile.
     """
+    return _install_lambda_guard(lambda _: check(), description)
+
+
+def install_no_hooks_guard(description: str) -> bool:
+    """:func:`install_dynamo_guard` for "no saved-tensor hooks are active", the check
+    every call of a frame compiled without hooks makes: one C call, no Python helper."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    return _install_lambda_guard(lambda _: not top(True), description)
+
+
+def _install_lambda_guard(fn: Callable[[Any], bool], description: str) -> bool:
     from torch._dynamo.guards import get_verbose_code_parts
     from torch._dynamo.source import GlobalStateSource
     from torch._guards import TracingContext
@@ -167,7 +178,7 @@ def install_dynamo_guard(check: Callable[[], bool], description: str) -> bool:
 
     def create(builder: Any, guard: Any) -> None:
         parts = get_verbose_code_parts([description], guard)
-        builder.guard_manager.root.add_lambda_guard(lambda _: check(), parts, guard.user_stack)
+        builder.guard_manager.root.add_lambda_guard(fn, parts, guard.user_stack)
 
     create.__name__ = "LOOM_SAVED_TENSORS_HOOKS"
     tc.guards_context.dynamo_guards.add(GlobalStateSource().make_guard(create))

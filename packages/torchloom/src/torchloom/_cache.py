@@ -99,13 +99,22 @@ def _versions(pipeline: Sequence[str] = (), modules: Sequence[str] = _LOOM_MODUL
     extra parts (:meth:`Pipeline.describe`): a pipeline with other passes never
     shares an entry."""
     parts = [f"part={p}" for p in pipeline]
+    parts.extend(_installed_versions())
+    parts.append(f"source={loom_source_hash(tuple(modules))}")
+    return ";".join(parts)
+
+
+@functools.cache
+def _installed_versions() -> tuple[str, ...]:
+    """``dist=version`` of each installed loom distribution, read once per process
+    (each read scans the installed metadata)."""
+    parts = []
     for dist in LOOM_DISTRIBUTIONS:
         try:
             parts.append(f"{dist}={importlib.metadata.version(dist)}")
         except importlib.metadata.PackageNotFoundError:
             continue
-    parts.append(f"source={loom_source_hash(tuple(modules))}")
-    return ";".join(parts)
+    return tuple(parts)
 
 
 @functools.cache

@@ -538,8 +538,10 @@ class _ColdCompilers:
         self.num_orig_outputs = compat.num_model_outputs(gm)
         self.inductor_state: compat.InductorCompileState | None = None
         if self.snapshot.options.codegen == "inductor":
-            # Inductor's own set-up: every Inductor compile pays it, loom or not.
+            # Inductor's own set-up: every Inductor compile pays it, loom or not; for
+            # GPU inputs the compile workers wake now, while AOTAutograd traces.
             with self.snapshot.record.timed("inductor.setup", owner="torch"):
+                compat.warm_compile_workers(self.snapshot.example_inputs)
                 self.inductor_state = compat.InductorCompileState(gm)
         self.placement = HookPlacement()
         self.compiled: set[GraphKind] = set()

@@ -159,6 +159,23 @@ class InductorCompileState:
         self.extra = make(gm) if from_graph else make(inductor_config)
 
 
+def warm_compile_workers(example_inputs: Sequence[Any]) -> None:
+    """Wake Inductor's compile-worker pool for GPU inputs, as ``compile_fx`` does on
+    entry (``AsyncCompile.wakeup``), before AOTAutograd traces.
+
+    Triton kernels compile in the pool only once it is ready, in the main process
+    one at a time until then: a pool first asked for by the first kernel is late
+    for most of a cold compile's kernels. CPU inputs start nothing (C++ kernels
+    compile on threads; ``compile_fx`` starts no pool for them either).
+    """
+    if any(
+        isinstance(x, torch.Tensor) and x.device.type in ("cuda", "xpu") for x in example_inputs
+    ):
+        from torch._inductor.async_compile import AsyncCompile
+
+        AsyncCompile.wakeup()
+
+
 def inductor_compile_inner(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """Inductor's per-graph compiler, with Inductor's own CUDA graphs off
     (loom's runtime owns CUDA graphs)."""
