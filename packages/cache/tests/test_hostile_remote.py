@@ -16,8 +16,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis
-from redis.connection import parse_url
 
 from loom_cache import (
     CacheConfig,
@@ -34,6 +32,9 @@ from loom_cache import (
     redact_url,
 )
 from loom_cache._config import redact
+
+redis = pytest.importorskip("redis")  # the cache's optional extra; the GPU machine has none
+parse_url = redis.connection.parse_url
 
 KEY = b"fleet-key-0123456789abcdef-current"
 ATTACKER = b"attacker-key-0123456789abcdef"
