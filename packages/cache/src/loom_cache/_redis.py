@@ -200,6 +200,19 @@ class RedisStore:
         self.prefix = PREFIX + (f"{config.namespace}:" if config.namespace else "")
         self._deadline = Deadline()
         self._response_error: type[Exception] = redis.ResponseError
+        #: what a broken or hostile server makes redis-py raise: its own errors, and
+        #: those of a handshake or parser that assume well-formed replies (``+OK`` to
+        #: everything ends in AttributeError), and this store's reply budget
+        self._server_faults: tuple[type[Exception], ...] = (
+            redis.RedisError,
+            OSError,
+            ValueError,
+            TypeError,
+            AttributeError,
+            IndexError,
+            KeyError,
+            ReplyTooLarge,
+        )
         scheme = url.split(":", 1)[0].lower()
         base: type[Any] = {
             "rediss": redis.connection.SSLConnection,
@@ -244,9 +257,10 @@ class RedisStore:
                 if str(exc).startswith("WRONGTYPE"):
                     raise KeyRefused(f"the key holds another type of value ({exc})") from None
                 raise self._unavailable(exc) from None
-            except Exception as exc:
-                # NOTE: whatever the type: a hostile or broken server makes redis-py
-                # raise AttributeError, ValueError, ... out of its handshake or parser.
+            except self._server_faults as exc:
+                # NOTE: a hostile or broken server makes redis-py raise AttributeError,
+                # ValueError, ... out of its handshake or parser; anything else is a
+                # bug of ours and propagates.
                 raise self._unavailable(exc) from None
             finally:
                 self._deadline.budget = None
