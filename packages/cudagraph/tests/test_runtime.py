@@ -634,3 +634,35 @@ def test_outputs_outlive_their_runtime_with_their_memory() -> None:
     del out, garbage
     _pool.prune_adopted()
     assert not _pool._adopted
+
+
+def test_release_drops_the_graphs_and_the_next_calls_record_again() -> None:
+    import gc
+    import weakref
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).relu() + 1
+
+    w = torch.randn(4, 4)
+    run, cap = compile_host(f, torch.randn(2, 4), w, static=(1,))
+    x = torch.randn(2, 4)
+    for _ in range(3):  # warm-up, record, replay
+        call(run, x, w)
+    assert cap.captures == 1
+    (seg,) = (s for s in run._stats if isinstance(s, loom_cudagraph._segment.CapturedSegment))
+    (rec,) = (r for t in seg._tables.values() for r in t.recordings)
+    graph = weakref.ref(rec.graph)
+    outputs = [weakref.ref(o) for o in rec.outputs]
+    del rec
+
+    loom_cudagraph.release_graphs()
+    gc.collect()
+    # nothing of the recording lives on: its graph and static outputs (the pool's memory) are gone
+    assert graph() is None
+    assert all(o() is None for o in outputs)
+    # still callable: warms up and records again, right results throughout
+    for _ in range(3):
+        torch.testing.assert_close(call(run, x, w)[0], f(x, w))
+    assert cap.captures == 2
+    (stats,) = run.stats().segments
+    assert stats.recordings == 2 and stats.uncaptured_calls == 2

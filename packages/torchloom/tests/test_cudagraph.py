@@ -271,3 +271,37 @@ def test_a_stored_plan_keeps_its_outcome_through_the_cache_payload(outcome: Plan
     # The payload is plain strings (the artifact stores it as data, not as enum members).
     assert dict(payload) == {"kind": "backward", "outcome": outcome.value, "plan": '{"graph": "g"}'}
     assert StoredPlan.from_payload(payload) == stored
+
+
+@pytest.mark.parametrize("via", ["pipeline", "loom"])
+def test_dynamo_reset_drops_the_captured_graphs(
+    host_stage: loom_cudagraph.HostCapturer, via: str
+) -> None:
+    """``torch._dynamo.reset()`` resets the backends it used: loom drops its graphs
+    (Dynamo keeps the compiled function alive as a global of this module), and a
+    function still held records again."""
+    import gc
+    import weakref
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ x) * 2
+
+    x = torch.randn(4, 4)
+    compiled = torch.compile(f, backend=_host(host_stage), options=CG)
+    for _ in range(3):
+        compiled(x)
+    assert host_stage.captures == 1
+    (runtime,) = torchloom._cudagraph._runtimes  # built since the fixture's reset
+    (seg,) = (s for s in runtime._stats if isinstance(s, loom_cudagraph._segment.CapturedSegment))
+    (rec,) = (r for t in seg._tables.values() for r in t.recordings)
+    graph = weakref.ref(rec.graph)
+    del rec
+    if via == "loom":
+        # the registered backend's own reset (Dynamo resets the backends it used)
+        torchloom.loom_backend.reset()  # type: ignore[attr-defined]
+    else:
+        torch._dynamo.reset()
+    gc.collect()
+    assert graph() is None
+    assert seg._tables == {}
+    assert runtime.stats().segments[0].recordings == 1  # the history stays in the stats

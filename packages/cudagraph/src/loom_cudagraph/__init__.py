@@ -28,6 +28,7 @@ from loom_cudagraph._runtime import (
     compile_segments,
     eager_segment_compiler,
     new_pool,
+    release_graphs,
 )
 from loom_cudagraph._segment import SegmentStats, is_managed, suspended
 from loom_cudagraph._skiplog import report_plan_skips, reset_skip_counts, skip_counts
@@ -65,6 +66,7 @@ __all__ = [
     "new_pool",
     "plan_graph",
     "registered_rules",
+    "release_graphs",
     "report_plan_skips",
     "reset_skip_counts",
     "skip_counts",

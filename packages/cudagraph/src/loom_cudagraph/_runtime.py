@@ -37,6 +37,7 @@ __all__ = [
     "compile_segments",
     "eager_segment_compiler",
     "new_pool",
+    "release_graphs",
 ]
 
 BoxedFn = Callable[[list[Any]], Sequence[Any]]
@@ -177,9 +178,24 @@ class CudagraphRuntime:
                 env[slot] = value
         return [env[s] if s >= 0 else const for s, const in self._outputs]
 
+    def release(self) -> None:
+        """Drop the CUDA graphs of every captured segment (see
+        :meth:`CapturedSegment.release`); the runtime stays callable."""
+        for s in self._stats:
+            if isinstance(s, CapturedSegment):
+                s.release()
+
     def stats(self) -> RuntimeStats:
         segs = tuple(s.stats() if isinstance(s, CapturedSegment) else s for s in self._stats)
         return RuntimeStats(self.plan.graph, segs)
+
+
+def release_graphs() -> None:
+    """Drop the CUDA graphs of every live runtime of the process: their memory pools
+    go back to the device once the outputs they handed out are gone. The runtimes
+    stay callable and record again on their next call."""
+    for runtime in list(CudagraphRuntime._live):
+        runtime.release()
 
 
 def _uncaptured_stats(plan: PartitionPlan, index: int, name: str) -> SegmentStats:

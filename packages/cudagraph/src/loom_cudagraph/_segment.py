@@ -312,6 +312,8 @@ class CapturedSegment:
         self.replays = 0
         self.uncaptured_calls = 0
         self.pool_bytes = 0
+        #: recordings made before the last :meth:`release` (the stats count them)
+        self._released = 0
         mark_boxed(self)
 
     # --- per call ------------------------------------------------------------------------
@@ -744,10 +746,31 @@ class CapturedSegment:
         report_skip(reason, self.spec.name, self.spec.options)
         return reason
 
+    def release(self) -> None:
+        """Drop every recording: their CUDA graphs, static buffers and outputs, so
+        the memory pool they hold can go back to the device once nothing else
+        holds it. The next call of a shape warms up and records again (counters
+        and the report keep what happened so far).
+
+        ``torch._dynamo.reset()`` calls this through the backend, as it resets
+        Inductor's CUDA graph trees: Dynamo keeps the compiled functions of the
+        frames it compiled (as globals of their modules), so without it the
+        graphs of every compiled function would live until the process ends.
+        """
+        for table in self._tables.values():
+            for rec in list(table.recordings):
+                # NOTE: retired through its pool, as when its outputs are held: a
+                # held output becomes an orphan that keeps its graph (and the
+                # memory it views) until it dies; the others' graphs go with them.
+                rec.pool.retire(rec, rec.pool.held(rec))
+            self._released += table.buffers
+        self._tables.clear()
+        self._hot = None
+
     # --- report ----------------------------------------------------------------------------
 
     def stats(self) -> SegmentStats:
-        made = sum(t.buffers for t in self._tables.values())
+        made = self._released + sum(t.buffers for t in self._tables.values())
         copied = sorted(
             set().union(*(t.copy_out for t in self._tables.values())) if self._tables else ()
         )

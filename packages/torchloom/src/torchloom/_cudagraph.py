@@ -50,6 +50,7 @@ __all__ = [
     "cudagraph_session",
     "cudagraph_settings",
     "cudagraph_stats",
+    "release_graphs",
     "release_runtimes",
     "replay_plans",
 ]
@@ -71,9 +72,16 @@ def cudagraph_stats() -> list[loom_cudagraph.RuntimeStats]:
     return [r.stats() for r in _runtimes]
 
 
+def release_graphs() -> None:
+    """Drop the captured CUDA graphs of every runtime (see
+    :func:`loom_cudagraph.release_graphs`): ``torch._dynamo.reset()`` calls it."""
+    loom_cudagraph.release_graphs()
+
+
 def release_runtimes() -> None:
-    """Drop loom's references to every CUDA-graph runtime (their captured graphs and
-    memory pools go once the compiled callables holding them are gone too)."""
+    """Drop every CUDA-graph runtime's captured graphs and loom's references to the
+    runtimes (their memory pools go back once the outputs they handed out are gone)."""
+    loom_cudagraph.release_graphs()
     _runtimes.clear()
 
 

@@ -68,6 +68,7 @@ from torchloom._cudagraph import (
     cudagraph_error,
     cudagraph_session,
     cudagraph_settings,
+    release_graphs,
     replay_plans,
 )
 from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
@@ -162,6 +163,11 @@ class Pipeline:
         options: Mapping[str, Any] | None = None,
     ) -> Callable[..., Any]:
         return compile_graph(gm, example_inputs, resolve_options(mode, options), self)
+
+    def reset(self) -> None:
+        """``torch._dynamo.reset()`` calls this on a pipeline used as a backend: the
+        captured CUDA graphs of the process are dropped (see :func:`release_graphs`)."""
+        release_graphs()
 
     def describe(self) -> tuple[str, ...]:
         """The extra passes and wrappers, by qualified name (a cache key component)."""
