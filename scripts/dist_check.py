@@ -37,6 +37,12 @@ Configurations (``--config``, several allowed; default: all):
   (``step_ms``, ``loom_vs_inductor``: below 1.0 is faster).
 - ``ddp-cg`` (GPU only): the same with ``options={"cudagraphs": True}``
   against ``backend="inductor", mode="reduce-overhead"`` (``loom_vs_reduce-overhead``).
+- ``ddp-step`` (GPU only): the whole DDP step (forward, backward with DDP's
+  all-reduces, SGD step, ``zero_grad``) under ``torchloom.capture_step``, against
+  eager DDP (losses and parameters after 20 calls) and a raw ``torch.cuda.graph``
+  of the same step made as PyTorch's recipe says; step times of the three,
+  ``speedup_vs_eager`` and ``capture_step_vs_raw_graph``. Run it with and without
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (reported as ``async_error_handling``).
 - ``cache``: the FSDP2 transformer compiled with loom and its cache on, both
   ranks sharing one ``TORCHLOOM_CACHE_DIR``. Each rank's cache entries from
   ``torchloom.report()`` are printed; with ``--expect-hits`` (the second
@@ -75,10 +81,11 @@ CONFIGS = (
     "fsdp2-ca-hf",
     "ddp",
     "ddp-cg",
+    "ddp-step",
     "cache",
     "fsdp2-cudagraphs",
 )
-GPU_ONLY = ("fsdp2-cudagraphs", "ddp-cg")
+GPU_ONLY = ("fsdp2-cudagraphs", "ddp-cg", "ddp-step")
 FP8_MAX = 448.0
 #: Relative L2 error allowed between loom and eager gradients under the same fp8
 #: hooks (a scale or a cast rounded differently moves a value by one fp8 step).
@@ -711,12 +718,138 @@ def run_fsdp2_cudagraphs(args: argparse.Namespace, device: torch.device) -> dict
     }
 
 
+def _raw_ddp_graph(
+    fn: Callable[[Any], torch.Tensor], x: torch.Tensor, side_stream: Any
+) -> Callable[[Any], torch.Tensor]:
+    """PyTorch's whole-network capture of a DDP step by hand: 11 eager iterations on a
+    side stream, one ``torch.cuda.graph`` capture; a replay per call."""
+    static = x.clone()
+    with torch.cuda.stream(side_stream):
+        for _ in range(11):
+            fn(static)
+    torch.cuda.current_stream().wait_stream(side_stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = fn(static)
+
+    def replay(inp: torch.Tensor) -> torch.Tensor:
+        static.copy_(inp)
+        graph.replay()
+        return static_loss
+
+    return replay
+
+
+def run_ddp_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """GPU only: a whole DDP training step (forward, backward with DDP's all-reduces,
+    SGD step, ``zero_grad``) with ``torchloom.capture_step``, against eager DDP and a
+    raw ``torch.cuda.graph`` of the same step made as PyTorch's recipe says (DDP built
+    on a side stream, 11 eager iterations first)."""
+    if device.type != "cuda":
+        return {"verdict": "SKIP", "reason": "GPU only: CUDA graphs need CUDA devices and NCCL"}
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import torchloom
+
+    gen = torch.Generator().manual_seed(500 + dist.get_rank())
+    x = torch.randn(args.batch, args.seq, args.ddp_dim, generator=gen).to(device)
+    calls = 20  # DDP: 11 warm-up calls, a capture, replays
+    side_stream = torch.cuda.Stream()
+
+    def build() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = Transformer(args.ddp_dim, args.heads, args.ddp_layers).to(device)
+        with torch.cuda.stream(side_stream):  # the recipe: DDP built on a side stream
+            ddp = DDP(model, device_ids=[device.index], bucket_cap_mb=args.bucket_cap_mb)
+        torch.cuda.current_stream().wait_stream(side_stream)
+        return model, ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+
+    def make_step(ddp: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any], torch.Tensor]:
+        def train_step(inp: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            loss = ddp(inp).square().mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return train_step
+
+    out: dict[str, Any] = {}
+    losses: dict[str, list[float]] = {}
+    params: dict[str, list[torch.Tensor]] = {}
+    step_ms: dict[str, float | None] = {}
+    for side in ("eager", "capture_step", "raw_graph"):
+        model, ddp, opt = build()
+        fn = make_step(ddp, opt)
+        if side == "capture_step":
+            torchloom.reset()
+            fn = torchloom.capture_step(fn)
+        if side == "raw_graph":
+            try:
+                run = _raw_ddp_graph(fn, x, side_stream)
+            except Exception as exc:  # the recipe's own limits (NCCL settings): say so
+                out["raw_graph_error"] = _short_error(exc)
+                step_ms[side] = None
+                continue
+            seen = [float(run(x)) for _ in range(calls - 12)]
+        else:
+            run = fn
+            seen = [float(run(x)) for _ in range(calls)]
+        losses[side] = seen
+        params[side] = [p.detach().float().cpu().clone() for p in model.parameters()]
+        torch.cuda.synchronize()
+        dist.barrier()
+        import time
+
+        start = time.perf_counter()
+        for _ in range(args.time_steps):
+            run(x)
+        torch.cuda.synchronize()
+        step_ms[side] = (time.perf_counter() - start) * 1e3 / max(args.time_steps, 1)
+        if side == "capture_step":
+            stats = fn.stats()  # type: ignore[attr-defined]
+            out["capture_step"] = {
+                "state": stats.state.value,
+                "warmup_calls": stats.warmup_calls,
+                "recordings": stats.recordings,
+                "replays": stats.replays,
+                "agreed_calls": stats.agreed_calls,
+                "refusal": str(stats.refusal) if stats.refusal else None,
+            }
+    # the same number of optimizer steps on every side (the raw graph: 11 + 1 + replays)
+    loss_diff = max(
+        abs(a - b) for a, b in zip(losses["eager"], losses["capture_step"], strict=True)
+    )
+    param_diff = max(
+        float((a - b).abs().max())
+        for a, b in zip(params["eager"], params["capture_step"], strict=True)
+    )
+    captured = out["capture_step"]["recordings"] > 0 and not out["capture_step"]["refusal"]
+    ok = captured and loss_diff <= args.tol and param_diff <= args.tol
+    eager, cs, raw = step_ms["eager"], step_ms["capture_step"], step_ms["raw_graph"]
+    result = {
+        "verdict": "PASS" if ok else "FAIL",
+        "async_error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "unset"),
+        "loss_diff": loss_diff,
+        "param_diff": param_diff,
+        "step_ms": step_ms,
+        "speedup_vs_eager": eager / cs if cs else None,
+        "capture_step_vs_raw_graph": cs / raw if raw else None,
+        "eager_losses": losses["eager"],
+        "losses": losses["capture_step"],
+        **out,
+    }
+    _say_times("ddp-step", result)
+    return result
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace, torch.device], dict[str, Any]]] = {
     "fsdp2-hooks": run_fsdp2_hooks,
     "fsdp2-hf": run_fsdp2_hf,
     "fsdp2-ca-hf": run_fsdp2_ca_hf,
     "ddp": run_ddp,
     "ddp-cg": run_ddp_cg,
+    "ddp-step": run_ddp_step,
     "cache": run_cache,
     "fsdp2-cudagraphs": run_fsdp2_cudagraphs,
 }
