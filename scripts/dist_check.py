@@ -4,7 +4,7 @@ Run with two ranks (``torchrun`` or ``python -m torch.distributed.run``)::
 
     torchrun --nproc-per-node 2 scripts/dist_check.py                 # CUDA + NCCL, all configs
     torchrun --nproc-per-node 2 scripts/dist_check.py --device cpu    # gloo on CPU
-    torchrun --nproc-per-node 2 scripts/dist_check.py --config ddp
+    torchrun --nproc-per-node 2 scripts/dist_check.py --config ddp ddp-cg
 
 Configurations (``--config``, several allowed; default: all):
 
@@ -26,10 +26,23 @@ Configurations (``--config``, several allowed; default: all):
 - ``fsdp2-hf``: the same Llama with ``skip_fsdp_hooks=False`` and compiled
   autograd off (the forward graphs see FSDP2's hooks; the backward runs
   through AOTAutograd's backward). Runs on CPU/gloo too.
-- ``ddp``: ``torch.compile(DDP(model, bucket_cap_mb=small), backend="loom")``.
+- ``ddp``: ``torch.compile(DDP(model, bucket_cap_mb=small), backend="loom")``
+  with ``--codegen`` (Inductor on CUDA, the default options; eager on CPU).
   Dynamo's DDP optimizer splits the graph at the gradient-bucket boundaries,
   so loom compiles one graph per bucket; losses and gradients must equal
-  eager DDP's and loom must have compiled more than one graph.
+  eager DDP's and loom must have compiled more than one graph. On CUDA
+  ``backend="inductor"`` runs the same model as the reference, and each side's
+  mean step time over ``--time-steps`` steps is printed
+  (``[ddp] PASS: eager ... ms/step, loom ..., inductor ...``) and reported
+  (``step_ms``, ``loom_vs_inductor``: below 1.0 is faster).
+- ``ddp-cg`` (GPU only): the same with ``options={"cudagraphs": True}``
+  against ``backend="inductor", mode="reduce-overhead"`` (``loom_vs_reduce-overhead``).
+- ``ddp-step`` (GPU only): the whole DDP step (forward, backward with DDP's
+  all-reduces, SGD step, ``zero_grad``) under ``torchloom.capture_step``, against
+  eager DDP (losses and parameters after 20 calls) and a raw ``torch.cuda.graph``
+  of the same step made as PyTorch's recipe says; step times of the three,
+  ``speedup_vs_eager`` and ``capture_step_vs_raw_graph``. Run it with and without
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (reported as ``async_error_handling``).
 - ``cache``: the FSDP2 transformer compiled with loom and its cache on, both
   ranks sharing one ``TORCHLOOM_CACHE_DIR``. Each rank's cache entries from
   ``torchloom.report()`` are printed; with ``--expect-hits`` (the second
@@ -62,8 +75,17 @@ import torch.distributed as dist
 from fsdp2_check import Transformer, _full_grads, _gather, _short_error
 from torch import nn
 
-CONFIGS = ("fsdp2-hooks", "fsdp2-hf", "fsdp2-ca-hf", "ddp", "cache", "fsdp2-cudagraphs")
-GPU_ONLY = ("fsdp2-cudagraphs",)
+CONFIGS = (
+    "fsdp2-hooks",
+    "fsdp2-hf",
+    "fsdp2-ca-hf",
+    "ddp",
+    "ddp-cg",
+    "ddp-step",
+    "cache",
+    "fsdp2-cudagraphs",
+)
+GPU_ONLY = ("fsdp2-cudagraphs", "ddp-cg", "ddp-step")
 FP8_MAX = 448.0
 #: Relative L2 error allowed between loom and eager gradients under the same fp8
 #: hooks (a scale or a cast rounded differently moves a value by one fp8 step).
@@ -418,9 +440,52 @@ def _ddp_sequential(
     return out
 
 
-def run_ddp(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def _time_steps(
+    run: Callable[[Any], torch.Tensor],
+    x: Any,
+    opt: torch.optim.Optimizer,
+    device: torch.device,
+    n: int,
+) -> float | None:
+    """Mean milliseconds of ``n`` training steps (forward, backward with DDP's
+    all-reduces, SGD step, ``zero_grad``), after the compiling steps; no host read
+    of the loss inside the loop."""
+    if n <= 0:
+        return None
+    import time
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(3):  # warm: CUDA graphs recorded, allocator settled
+        run(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    sync()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        run(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    sync()
+    return (time.perf_counter() - start) * 1e3 / n
+
+
+def _ddp_sides(
+    args: argparse.Namespace,
+    device: torch.device,
+    sides: dict[str, dict[str, Any] | None],
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Train the same DDP transformer once per side (``None``: eager DDP, else the
+    ``torch.compile`` keywords of ``torch.compile(DDP(model))``): each side's losses,
+    gradients, step time (``step_ms``) or error; and loom's report and split."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import torchloom
 
     gen = torch.Generator().manual_seed(300 + dist.get_rank())
     inputs = [
@@ -428,52 +493,132 @@ def run_ddp(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         for _ in range(args.steps)
     ]
     ids = [device.index] if device.type == "cuda" else None
-    sides = {}
-    splits = 0
-    for side in ("eager", "loom"):
+    out: dict[str, dict[str, Any]] = {}
+    loom: dict[str, Any] = {}
+    for side, kwargs in sides.items():
         torch.manual_seed(0)
         model = Transformer(args.ddp_dim, args.heads, args.ddp_layers).to(device)
         ddp = DDP(model, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        if side == "eager":
-            sides[side] = _steps(ddp, lambda x, m=ddp: m(x).square().mean(), inputs, opt, device)
-            import torchloom
-
-            torchloom.reset()
-            continue
-        from torch._dynamo.utils import counters
-
+        torchloom.reset()
         with _dynamo(skip_fsdp_hooks=True):
             assert torch._dynamo.config.optimize_ddp, "Dynamo's DDP optimizer is off"
             before = int(counters["stats"].get("unique_graphs", 0))
-            run = torch.compile(ddp, **_compile_kwargs(args))
-            sides[side] = _steps(ddp, lambda x, r=run: r(x).square().mean(), inputs, opt, device)
+            run = ddp if kwargs is None else torch.compile(ddp, **kwargs)
+            try:
+                got = _steps(ddp, lambda x, r=run: r(x).square().mean(), inputs, opt, device)
+                got["step_ms"] = _time_steps(run, inputs[-1], opt, device, args.time_steps)
+            except Exception as exc:  # a reference backend may fail: say so, go on
+                if side == args.backend:
+                    raise
+                got = {"error": _short_error(exc)}
             splits = int(counters["stats"].get("unique_graphs", 0)) - before
-    report = _report()
-    cmp = _compare(sides["eager"], sides["loom"])
-    tol = args.tol
-    buckets = len(ddp.reducer._get_zeros_like_grad_buckets())
+        if side == args.backend:
+            loom = {
+                "dynamo_unique_graphs": splits,
+                "ddp_buckets": len(ddp.reducer._get_zeros_like_grad_buckets()),
+                **_report(),
+            }
+        out[side] = got
+    return out, loom
+
+
+def _ddp_verdict(
+    args: argparse.Namespace, out: dict[str, dict[str, Any]], loom: dict[str, Any], compared: str
+) -> dict[str, Any]:
+    """Every side against eager DDP; loom's step time against ``compared``'s."""
+    result: dict[str, Any] = {}
+    for side, got in out.items():
+        if side == "eager":
+            continue
+        result[side] = {"error": got["error"]} if "error" in got else _compare(out["eager"], got)
+    main = args.backend
+    cmp = result[main]
+    ok = (
+        cmp["loss_diff"] <= args.tol
+        and cmp["grad_diff"] <= args.tol
+        and (args.backend != "loom" or (loom["graphs"] > 1 and not loom["fallbacks"]))
+    )
+    step_ms = {side: got.get("step_ms") for side, got in out.items()}
+    ratio = None
+    if step_ms.get(main) and step_ms.get(compared) and main != compared:
+        ratio = step_ms[main] / step_ms[compared]
+    return {
+        "ok": ok,
+        "step_ms": step_ms,
+        f"loom_vs_{compared}": ratio,
+        "sides": result,
+        "eager_losses": out["eager"]["losses"],
+        "losses": out[main]["losses"],
+        **cmp,
+    }
+
+
+def _say_times(name: str, result: dict[str, Any]) -> None:
+    if dist.get_rank() != 0:
+        return
+    times = ", ".join(
+        f"{side} {ms:.2f} ms/step" if ms else f"{side} -" for side, ms in result["step_ms"].items()
+    )
+    print(f"[{name}] {result['verdict']}: {times}", flush=True)
+
+
+def run_ddp(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """``torch.compile(DDP(model), backend="loom")`` with ``--codegen`` (Inductor on
+    CUDA), against eager DDP and ``backend="inductor"`` (``--backend`` instead of
+    loom: that backend on both sides)."""
+    reference = "inductor" if args.backend == "loom" else args.backend
+    sides: dict[str, dict[str, Any] | None] = {"eager": None, args.backend: _compile_kwargs(args)}
+    if args.reference and device.type == "cuda" and args.backend == "loom":
+        sides[reference] = {"backend": reference}
+    out, loom = _ddp_sides(args, device, sides)
+    verdict = _ddp_verdict(args, out, loom, reference)
     sequential = _ddp_sequential(args, device)
     ok = (
-        cmp["loss_diff"] <= tol
-        and cmp["grad_diff"] <= tol
-        and report["graphs"] > 1
-        and not report["fallbacks"]
-        and sequential["inner_compiled"]["loss_diff"] <= tol
-        and sequential["inner_compiled"]["grad_diff"] <= tol
+        verdict.pop("ok")
+        and sequential["inner_compiled"]["loss_diff"] <= args.tol
+        and sequential["inner_compiled"]["grad_diff"] <= args.tol
     )
-    return {
+    result = {
         "verdict": "PASS" if ok else "FAIL",
-        "tolerance": f"abs {tol:g}",
+        "backend": args.backend,
+        "codegen": args.codegen if args.backend == "loom" else None,
+        "tolerance": f"abs {args.tol:g}",
         "bucket_cap_mb": args.bucket_cap_mb,
-        "ddp_buckets": buckets,
         "sequential": sequential,
-        "dynamo_unique_graphs": splits,
-        "eager_losses": sides["eager"]["losses"],
-        "losses": sides["loom"]["losses"],
-        **cmp,
-        **report,
+        **verdict,
+        **loom,
     }
+    _say_times("ddp", result)
+    return result
+
+
+def run_ddp_cg(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """GPU only: ``torch.compile(DDP(model), backend="loom", options={"cudagraphs":
+    True})`` against eager DDP and ``backend="inductor", mode="reduce-overhead"``."""
+    if device.type != "cuda":
+        return {"verdict": "SKIP", "reason": "GPU only: CUDA graphs need CUDA devices and NCCL"}
+    reference = "reduce-overhead"
+    sides: dict[str, dict[str, Any] | None] = {
+        "eager": None,
+        args.backend: _compile_kwargs(args, cudagraphs=True),
+    }
+    if args.reference and args.backend == "loom":
+        sides[reference] = {"backend": "inductor", "mode": "reduce-overhead"}
+    out, loom = _ddp_sides(args, device, sides)
+    verdict = _ddp_verdict(args, out, loom, reference)
+    ok = verdict.pop("ok")
+    cg = loom["entries"].get("cudagraph", {})
+    result = {
+        "verdict": "PASS" if ok else "FAIL",
+        "backend": args.backend,
+        "codegen": args.codegen if args.backend == "loom" else None,
+        "captured": cg.get("recording", 0) > 0,
+        **verdict,
+        **loom,
+    }
+    _say_times("ddp-cg", result)
+    return result
 
 
 def run_cache(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -573,11 +718,138 @@ def run_fsdp2_cudagraphs(args: argparse.Namespace, device: torch.device) -> dict
     }
 
 
+def _raw_ddp_graph(
+    fn: Callable[[Any], torch.Tensor], x: torch.Tensor, side_stream: Any
+) -> Callable[[Any], torch.Tensor]:
+    """PyTorch's whole-network capture of a DDP step by hand: 11 eager iterations on a
+    side stream, one ``torch.cuda.graph`` capture; a replay per call."""
+    static = x.clone()
+    with torch.cuda.stream(side_stream):
+        for _ in range(11):
+            fn(static)
+    torch.cuda.current_stream().wait_stream(side_stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = fn(static)
+
+    def replay(inp: torch.Tensor) -> torch.Tensor:
+        static.copy_(inp)
+        graph.replay()
+        return static_loss
+
+    return replay
+
+
+def run_ddp_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """GPU only: a whole DDP training step (forward, backward with DDP's all-reduces,
+    SGD step, ``zero_grad``) with ``torchloom.capture_step``, against eager DDP and a
+    raw ``torch.cuda.graph`` of the same step made as PyTorch's recipe says (DDP built
+    on a side stream, 11 eager iterations first)."""
+    if device.type != "cuda":
+        return {"verdict": "SKIP", "reason": "GPU only: CUDA graphs need CUDA devices and NCCL"}
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import torchloom
+
+    gen = torch.Generator().manual_seed(500 + dist.get_rank())
+    x = torch.randn(args.batch, args.seq, args.ddp_dim, generator=gen).to(device)
+    calls = 20  # DDP: 11 warm-up calls, a capture, replays
+    side_stream = torch.cuda.Stream()
+
+    def build() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = Transformer(args.ddp_dim, args.heads, args.ddp_layers).to(device)
+        with torch.cuda.stream(side_stream):  # the recipe: DDP built on a side stream
+            ddp = DDP(model, device_ids=[device.index], bucket_cap_mb=args.bucket_cap_mb)
+        torch.cuda.current_stream().wait_stream(side_stream)
+        return model, ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+
+    def make_step(ddp: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any], torch.Tensor]:
+        def train_step(inp: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            loss = ddp(inp).square().mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return train_step
+
+    out: dict[str, Any] = {}
+    losses: dict[str, list[float]] = {}
+    params: dict[str, list[torch.Tensor]] = {}
+    step_ms: dict[str, float | None] = {}
+    for side in ("eager", "capture_step", "raw_graph"):
+        model, ddp, opt = build()
+        fn = make_step(ddp, opt)
+        if side == "capture_step":
+            torchloom.reset()
+            fn = torchloom.capture_step(fn)
+        if side == "raw_graph":
+            try:
+                run = _raw_ddp_graph(fn, x, side_stream)
+            except Exception as exc:  # the recipe's own limits (NCCL settings): say so
+                out["raw_graph_error"] = _short_error(exc)
+                step_ms[side] = None
+                continue
+            seen = [float(run(x)) for _ in range(calls - 12)]
+        else:
+            run = fn
+            seen = [float(run(x)) for _ in range(calls)]
+        losses[side] = seen
+        params[side] = [p.detach().float().cpu().clone() for p in model.parameters()]
+        torch.cuda.synchronize()
+        dist.barrier()
+        import time
+
+        start = time.perf_counter()
+        for _ in range(args.time_steps):
+            run(x)
+        torch.cuda.synchronize()
+        step_ms[side] = (time.perf_counter() - start) * 1e3 / max(args.time_steps, 1)
+        if side == "capture_step":
+            stats = fn.stats()  # type: ignore[attr-defined]
+            out["capture_step"] = {
+                "state": stats.state.value,
+                "warmup_calls": stats.warmup_calls,
+                "recordings": stats.recordings,
+                "replays": stats.replays,
+                "agreed_calls": stats.agreed_calls,
+                "refusal": str(stats.refusal) if stats.refusal else None,
+            }
+    # the same number of optimizer steps on every side (the raw graph: 11 + 1 + replays)
+    loss_diff = max(
+        abs(a - b) for a, b in zip(losses["eager"], losses["capture_step"], strict=True)
+    )
+    param_diff = max(
+        float((a - b).abs().max())
+        for a, b in zip(params["eager"], params["capture_step"], strict=True)
+    )
+    captured = out["capture_step"]["recordings"] > 0 and not out["capture_step"]["refusal"]
+    ok = captured and loss_diff <= args.tol and param_diff <= args.tol
+    eager, cs, raw = step_ms["eager"], step_ms["capture_step"], step_ms["raw_graph"]
+    result = {
+        "verdict": "PASS" if ok else "FAIL",
+        "async_error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "unset"),
+        "loss_diff": loss_diff,
+        "param_diff": param_diff,
+        "step_ms": step_ms,
+        "speedup_vs_eager": eager / cs if cs else None,
+        "capture_step_vs_raw_graph": cs / raw if raw else None,
+        "eager_losses": losses["eager"],
+        "losses": losses["capture_step"],
+        **out,
+    }
+    _say_times("ddp-step", result)
+    return result
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace, torch.device], dict[str, Any]]] = {
     "fsdp2-hooks": run_fsdp2_hooks,
     "fsdp2-hf": run_fsdp2_hf,
     "fsdp2-ca-hf": run_fsdp2_ca_hf,
     "ddp": run_ddp,
+    "ddp-cg": run_ddp_cg,
+    "ddp-step": run_ddp_step,
     "cache": run_cache,
     "fsdp2-cudagraphs": run_fsdp2_cudagraphs,
 }
@@ -607,6 +879,15 @@ def main() -> int:
     parser.add_argument("--backend", default="loom", help="e.g. aot_eager, inductor: a reference")
     parser.add_argument("--codegen", choices=("inductor", "eager"), default=None)
     parser.add_argument("--expect-hits", action="store_true", help="cache: every rank must hit")
+    parser.add_argument(
+        "--time-steps", type=int, default=None, help="ddp, ddp-cg: timed steps per side"
+    )
+    parser.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="ddp, ddp-cg: skip the PyTorch reference (inductor, reduce-overhead)",
+    )
     parser.add_argument("--json", default=None, help="write rank 0's results here")
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -614,6 +895,7 @@ def main() -> int:
     args.dim = args.dim or (1024 if cuda else 32)
     args.seq = args.seq or (256 if cuda else 8)
     args.codegen = args.codegen or ("inductor" if cuda else "eager")
+    args.time_steps = args.time_steps if args.time_steps is not None else (30 if cuda else 0)
     # NOTE: one block of dim d holds 12 d^2 + 13 d parameters (4 bytes each); a
     # cap of about a block's size puts each block in a bucket of its own. Dynamo's
     # DDP optimizer asserts that DDP's first bucket (1 MiB) is no larger than the

@@ -77,7 +77,7 @@ def cpu_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
     cache = tmp_path_factory.mktemp("dist-cache")
     return torchrun(
         "--device", "cpu", "--config", "fsdp2-hooks", "fsdp2-hf", "fsdp2-ca-hf", "ddp",
-        "fsdp2-cudagraphs", "--steps", "2", env={"TORCHLOOM_CACHE_DIR": str(cache)},
+        "fsdp2-cudagraphs", "ddp-cg", "--steps", "2", env={"TORCHLOOM_CACHE_DIR": str(cache)},
     )  # fmt: skip
 
 
@@ -135,9 +135,30 @@ def test_ddp_around_an_nn_sequential_compiles_nothing_and_the_inner_module_patte
     assert inner["loss_diff"] <= 1e-4 and inner["grad_diff"] <= 1e-4
 
 
-def test_cuda_graphs_under_fsdp2_are_gpu_only(cpu_results: dict[str, dict[str, Any]]) -> None:
-    r = cpu_results["fsdp2-cudagraphs"]
-    assert r["verdict"] == "SKIP" and "GPU only" in r["reason"]
+@pytest.mark.inductor
+def test_ddp_with_inductor_codegen_serves_identical_buckets_from_the_cache_in_the_first_run(
+    tmp_path: Path,
+) -> None:
+    """The issue's failure on CPU: identical transformer blocks make identical bucket
+    graphs, so a bucket hits the entry the previous one stored; Dynamo's DDP optimizer
+    then called it on fake tensors and Inductor's code ran on them. loom answers that
+    call without running anything (``torchloom/_ddp_optimizer.py``)."""
+    env = {"TORCHLOOM_CACHE_DIR": str(tmp_path / "cache")}
+    args = ("--device", "cpu", "--config", "ddp", "--codegen", "inductor", "--steps", "2")
+    r = torchrun(*args, env=env)["ddp"]
+    assert r["verdict"] == "PASS", r
+    assert r["codegen"] == "inductor"
+    assert r["graphs"] == r["ddp_buckets"] > 1 and not r["fallbacks"]
+    assert r["entries"]["cache"].get("hit", 0) >= 1
+    assert r["loss_diff"] <= 1e-4 and r["grad_diff"] <= 1e-4
+
+
+def test_cuda_graphs_under_fsdp2_and_ddp_are_gpu_only(
+    cpu_results: dict[str, dict[str, Any]],
+) -> None:
+    for name in ("fsdp2-cudagraphs", "ddp-cg"):
+        r = cpu_results[name]
+        assert r["verdict"] == "SKIP" and "GPU only" in r["reason"]
 
 
 def test_one_cache_directory_shared_by_both_ranks_hits_on_both_in_a_second_run(
@@ -168,7 +189,8 @@ def test_one_cache_directory_shared_by_both_ranks_hits_on_both_in_a_second_run(
 def test_every_configuration_on_two_gpus_with_nccl(tmp_path: Path) -> None:
     env = {"TORCHLOOM_CACHE_DIR": str(tmp_path / "shared-cache")}
     results = torchrun("--device", "cuda", "--json", str(tmp_path / "first.json"), env=env)
-    for name in ("fsdp2-hooks", "fsdp2-hf", "fsdp2-ca-hf", "ddp", "cache", "fsdp2-cudagraphs"):
+    names = ("fsdp2-hooks", "fsdp2-hf", "fsdp2-ca-hf", "ddp", "ddp-cg", "cache", "fsdp2-cudagraphs")
+    for name in names:
         assert results[name]["verdict"] == "PASS", results[name]
     assert results["fsdp2-hooks"]["hooks_placed_graphs"] >= 2
     # compiled autograd carries FSDP2's resize_/fsdp.copy_ chains to loom_resize

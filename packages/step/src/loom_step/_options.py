@@ -26,6 +26,11 @@ class StepOptions:
     max_recordings: int = 4
     #: Raise :class:`~loom_step.CaptureStepError` when CUDA work would run uncaptured.
     or_error: bool = False
+    #: Agree on each call's decision with the other ranks (one host all_reduce per
+    #: call): ``None`` when the step uses a DDP or FSDP2 module and more than one rank
+    #: runs, ``True`` over the default group whenever more than one rank runs,
+    #: ``False`` never (every rank must then see the same guard sets on the same calls).
+    agree_across_ranks: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("warmup", "max_recordings"):

@@ -38,6 +38,8 @@ __all__ = [
     "autocast_refusal",
     "call_site",
     "collect_syncs",
+    "describe_frame",
+    "library_frame",
     "optimizer_refusals",
     "scaler_refusals",
     "sync_refusal",
@@ -81,14 +83,21 @@ class StepUnsupported(Refusal[AnyStepRefusalKind]):
     op: str = ""
     #: Whether CUDA work runs uncaptured because of it (False on a host-only step).
     cuda_work: bool = True
+    #: The library frame that did it, ``torch/nn/parallel/distributed.py:1566 in
+    #: _pre_forward: self.logger.set_runtime_stats_and_log()`` (a host synchronization
+    #: made inside torch), or empty when the user's line did it itself.
+    origin: str = ""
 
     def __str__(self) -> str:
         """The shared refusal text, ``[kind] where: op: explanation (hint: ...)``."""
-        if not self.op:
+        explanation = self.explanation
+        if self.origin:
+            explanation = f"{explanation} (synchronized in {self.origin})"
+        if self.op:
+            explanation = f"{self.op}: {explanation}"
+        if explanation == self.explanation:
             return Refusal.__str__(self)
-        return Refusal.__str__(
-            dataclasses.replace(self, explanation=f"{self.op}: {self.explanation}", op="")
-        )
+        return Refusal.__str__(dataclasses.replace(self, explanation=explanation, op=""))
 
 
 class CaptureStepError(RefusalError, RuntimeError):
@@ -155,6 +164,42 @@ def user_frame(stack: Sequence[traceback.FrameSummary]) -> traceback.FrameSummar
         if not _is_library(str(Path(frame.filename).resolve())):
             return frame
     return None
+
+
+#: Packages whose frames are loom's own machinery, never the origin of a step's sync.
+_LOOM = ("torchloom", "loom_cudagraph", "loom_step")
+
+
+def library_frame(stack: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost frame of a library (torch, ...) below the user's innermost frame
+    (``stack`` outermost first): the code that made the operation; ``None`` when the
+    user's own line made it."""
+    loom = tuple(d for d in _library_dirs() if Path(d).name in _LOOM)
+    std, pkgs = _stdlib_dirs()
+    for frame in reversed(stack):
+        path = str(Path(frame.filename).resolve())
+        if path.startswith(loom) or path.startswith("<"):
+            continue
+        if path.startswith(std) and not path.startswith(pkgs):
+            continue  # warnings, contextlib
+        return frame if _is_library(path) else None
+    return None
+
+
+def _short_path(filename: str) -> str:
+    """A library file's path from its package folder (``torch/nn/parallel/distributed.py``)."""
+    path = Path(filename).resolve()
+    for root in (*_stdlib_dirs()[1], *(str(Path(d).parent) + os.sep for d in _library_dirs())):
+        if str(path).startswith(root):
+            return str(path)[len(root) :].replace(os.sep, "/")
+    return str(path)
+
+
+def describe_frame(frame: traceback.FrameSummary) -> str:
+    """``path:line in function: source line`` of a library frame, the path from its package."""
+    line = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+    where = f"{_short_path(frame.filename)}:{frame.lineno} in {frame.name}"
+    return f"{where}: {line}" if line else where
 
 
 def _where(frame: traceback.FrameSummary | None) -> str:
@@ -264,15 +309,39 @@ def sync_refusal(stack: Sequence[traceback.FrameSummary]) -> StepUnsupported | N
     line = ""
     if frame is not None:
         line = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+    library = library_frame(stack)
+    origin = describe_frame(library) if library is not None else ""
+    hint = (
+        "keep .item(), .cpu(), .tolist() and printing of tensors out of the step; "
+        "return the tensor and read it after the call"
+    )
+    if library is not None:
+        hint = _LIBRARY_SYNC_HINTS.get(
+            (_short_path(library.filename), library.name),
+            f"the library synchronizes on the host here ({origin.split(': ')[0]}); "
+            "configure it not to, or leave this step uncaptured",
+        )
     return StepUnsupported(
         StepRefusalKind.SYNC_OP,
         _where(frame),
         "the step waits for the device on the host (a synchronizing CUDA operation); "
         "a replay cannot return a host value",
-        "keep .item(), .cpu(), .tolist() and printing of tensors out of the step; "
-        "return the tensor and read it after the call",
+        hint,
         op=line,
+        origin=origin,
     )
+
+
+#: What to do about a host synchronization made by a known library function.
+_LIBRARY_SYNC_HINTS = {
+    ("torch/nn/parallel/distributed.py", "_pre_forward"): (
+        "DDP reads its CUDA timers on the host for its first 10 iterations and every "
+        "sample-rate-th after, and rebuilds its buckets after the first: capture_step warms "
+        "a DDP step up for 11 iterations and sets ddp._set_ddp_runtime_logging_sample_rate "
+        "itself; a DDP it did not find (pass track=[ddp_model]) or one called outside "
+        "the step keeps syncing"
+    ),
+}
 
 
 #: The text of the warning CUDA's sync debug mode gives for a synchronizing operation.

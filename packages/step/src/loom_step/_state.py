@@ -48,6 +48,10 @@ class StepCounters:
     slow_calls: int = 0
     #: calls of new guard sets that ran uncaptured because the recording budget was spent
     budget_skips: int = 0
+    #: calls whose decision the ranks agreed on (one all_reduce each)
+    agreed_calls: int = 0
+    #: agreed calls that did not do what this rank proposed (another rank's decision)
+    overruled_calls: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,6 +72,10 @@ class StepStats:
     budget_skips: int
     #: Calls that went past the per-call check.
     slow_calls: int = 0
+    #: Calls whose decision the ranks agreed on, and of those, the calls decided by
+    #: another rank's proposal (this rank ran eagerly, or recorded, instead).
+    agreed_calls: int = 0
+    overruled_calls: int = 0
 
     @property
     def captured(self) -> bool:
@@ -82,6 +90,11 @@ class StepStats:
         ]
         if self.refusal is not None:
             lines.append(f"  refused: {self.refusal}")
+        if self.agreed_calls:
+            lines.append(
+                f"  ranks: {self.agreed_calls} calls agreed, {self.overruled_calls} decided "
+                "by another rank"
+            )
         lines += [f"  re-recorded: {r}" for r in self.rerecords]
         return "\n".join(lines)
 

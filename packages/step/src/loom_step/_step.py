@@ -32,6 +32,14 @@ import torch
 import loom_cudagraph
 from loom_cudagraph import CudagraphRefusalKind
 from loom_step import _torch_compat as compat
+from loom_step._distributed import (
+    DDP_WARMUP,
+    Action,
+    RankAgreement,
+    ddp_modules,
+    quiet_ddp_timers,
+    rank_agreement,
+)
 from loom_step._fast import FastCheck
 from loom_step._guard import GuardMismatch, StepGuard, StepProbe
 from loom_step._options import StepOptions
@@ -70,6 +78,22 @@ _HELD: Any = object()
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+@dataclasses.dataclass(slots=True)
+class _Decision:
+    """What one call does (:class:`Action`), with what the slow path found for it."""
+
+    action: Action
+    #: the recording to replay (or to record again)
+    rec: Recording | None = None
+    #: replay with the full guard's gradient pairs (and refresh the per-call check)
+    full: bool = False
+    reason: StepUnsupported | None = None
+    probe: StepProbe | None = None
+    current: StepGuard | None = None
+    #: a warm-up of a new guard set after the first recording (spends the budget)
+    extra: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -116,6 +140,12 @@ class CapturedStep(Generic[P, R]):
         self._rerecords: list[str] = []
         #: return copies of outputs (set once a view of an output was held)
         self._clone_outputs = False
+        #: eager calls before the first capture (more than ``options.warmup`` under DDP)
+        self._min_warmup = self.options.warmup
+        #: the ranks agreeing on each call, when the step involves a process group
+        self._agreement: RankAgreement | None = None
+        #: a refusal the first call found before running anything (no CUDA, optimizers)
+        self._static: StepUnsupported | None = None
 
     @property
     def state(self) -> StepState:
@@ -124,6 +154,10 @@ class CapturedStep(Generic[P, R]):
     # --- per call ----------------------------------------------------------------------------
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._state is StepState.NEW:
+            self._start(compat.tree_flatten((args, kwargs))[0])
+        if self._agreement is not None:
+            return self._agreed_call(args, kwargs)
         rec = self._last  # None once refused
         if rec is not None and rec.fast is not None:
             fast = rec.fast
@@ -201,71 +235,189 @@ class CapturedStep(Generic[P, R]):
 
     # --- slow paths --------------------------------------------------------------------------
 
+    def _start(self, leaves: Sequence[Any]) -> None:
+        """The first call: the step's targets, what refuses it before any call, DDP's
+        warm-up and timers, and the ranks' agreement (on every rank, so any group it
+        makes is made together)."""
+        self._targets = find_targets(self.fn, self._track)
+        self._state = StepState.WARMING_UP
+        self._static = self._static_refusal(leaves)
+        ddps = ddp_modules(self._targets)
+        if ddps:
+            quiet_ddp_timers(ddps)
+            self._min_warmup = max(self.options.warmup, DDP_WARMUP)
+            log.debug(
+                "capture_step %s: DDP (%s): %d warm-up calls",
+                self._name,
+                ", ".join(n for n, _ in ddps),
+                self._min_warmup,
+            )
+        self._agreement = rank_agreement(self._targets, self.options.agree_across_ranks)
+
     def _slow(self, args: Any, kwargs: Any, leaves: list[Any], tree: Any) -> R:
         """A call the per-call checks did not replay: the full guard of each recording,
         then a warm-up, a capture, or an uncaptured call."""
-        if self._state is StepState.NEW:
-            self._targets = find_targets(self.fn, self._track)
-            self._state = StepState.WARMING_UP
-            reason = self._static_refusal(leaves)
-            if reason is not None:
-                self._refuse(reason)
-                return self._eager(args, kwargs)
+        return self._do(self._decide(leaves, tree), args, kwargs, leaves, tree)
+
+    def _decide(self, leaves: list[Any], tree: Any) -> _Decision:
+        """What a call past the per-call checks does (nothing is run; only the guard
+        mismatch is kept, for the report)."""
         assert self._targets is not None
+        if self._static is not None:
+            return _Decision(Action.REFUSE, reason=self._static)
         for rec in self._recordings:
             if rec.guard.mismatch(rec.probe.read(leaves, tree)) is None:
-                rec.fast = self._fast_check(rec, args, kwargs, leaves)
-                self._last = rec
-                out = self._replay(rec, leaves, rec.exit_pairs)
-                if out is not _HELD:
-                    return out  # type: ignore[no-any-return]
-                return self._record_again_cloning(rec, args, kwargs, leaves, tree)
+                return _Decision(Action.REPLAY, rec=rec, full=True)
         probe = StepProbe(self._targets)
         current = probe.read(leaves, tree, named=True)
         reason = autocast_refusal(self.fn) or self._host_argument(leaves)
         if reason is not None:
-            self._refuse(reason)
-            return self._eager(args, kwargs)
+            return _Decision(Action.REFUSE, reason=reason)
         if self._recordings:
             last = self._recordings[-1]
             self._new.mismatch = last.guard.mismatch(last.probe.read(leaves, tree))
         elif self._new.pending is not None:
             self._new.mismatch = self._new.pending.mismatch(current, ignore_grads=True)
-        return self._next_call(args, kwargs, probe, current, leaves, tree)
+        return self._plan_next(probe, current)
 
-    def _next_call(
-        self,
-        args: Any,
-        kwargs: Any,
-        probe: StepProbe,
-        current: StepGuard,
-        leaves: list[Any],
-        tree: Any,
-    ) -> R:
+    def _plan_next(self, probe: StepProbe, current: StepGuard) -> _Decision:
         """What a call of a guard set with no recording does: warm up, capture, or run
         uncaptured once the budget is spent."""
-        warmup, budget = self.options.warmup, self.options.max_recordings
+        warmup, budget = self._min_warmup, self.options.max_recordings
         recorded = len(self._recordings)
+        decision = functools.partial(_Decision, probe=probe, current=current)
         if not recorded and self.counts.warmup_calls < warmup:
-            return self._warm_up(args, kwargs, probe, current, leaves, tree)
+            return decision(Action.WARM_UP)
         if recorded < budget and any(
             r.guard.mismatch(current, ignore_grads=True) is None for r in self._recordings
         ):
             # Only the gradients differ (accumulation into existing ones, or a first
             # micro-step after zero_grad): nothing compiles anew, capture right away.
-            return self._capture(args, kwargs, probe, current, leaves, tree)
+            return decision(Action.CAPTURE)
         # NOTE: a new guard set gets one eager call (it may compile) before its
         # capture; guard sets that change on every call (a float lr stepped by a
         # scheduler) spend the budget through these calls and never capture.
         pending = self._new.pending
         if pending is None or pending.mismatch(current, ignore_grads=True) is not None:
             if self.counts.extra_warmups >= budget or recorded >= budget:
-                return self._over_budget(args, kwargs, current)
-            self.counts.extra_warmups += 1 if self.counts.warmup_calls >= warmup else 0
-            return self._warm_up(args, kwargs, probe, current, leaves, tree)
+                return decision(Action.EAGER)
+            return decision(Action.WARM_UP, extra=self.counts.warmup_calls >= warmup)
         if recorded >= budget:
-            return self._over_budget(args, kwargs, current)
-        return self._capture(args, kwargs, probe, current, leaves, tree)
+            return decision(Action.EAGER)
+        return decision(Action.CAPTURE)
+
+    def _do(self, d: _Decision, args: Any, kwargs: Any, leaves: list[Any], tree: Any) -> R:
+        """Run one call as ``d`` decided."""
+        if d.action is Action.REFUSE:
+            assert d.reason is not None
+            if self._refusal is None:
+                self._static = None
+                self._refuse(d.reason)
+            return self._eager(args, kwargs)
+        if d.action is Action.REPLAY:
+            rec = d.rec
+            assert rec is not None
+            if d.full:
+                rec.fast = self._fast_check(rec, args, kwargs, leaves)
+            self._last = rec
+            out = self._replay(rec, leaves, rec.exit_pairs if d.full else rec.grad_fix)
+            if out is not _HELD:
+                return out  # type: ignore[no-any-return]
+            return self._record_again_cloning(rec, args, kwargs, leaves, tree)
+        probe, current = d.probe, d.current
+        assert probe is not None and current is not None
+        if d.action is Action.WARM_UP:
+            self.counts.extra_warmups += 1 if d.extra else 0
+            return self._warm_up(args, kwargs, probe, current, leaves, tree)
+        if d.action is Action.CAPTURE:
+            if d.rec is not None:  # a view of its outputs is held: record it again
+                return self._record_again_cloning(d.rec, args, kwargs, leaves, tree)
+            return self._capture(args, kwargs, probe, current, leaves, tree)
+        return self._over_budget(args, kwargs, current)
+
+    # --- the ranks' agreement ----------------------------------------------------------------
+
+    def _agreed_call(self, args: Any, kwargs: Any) -> R:
+        """One call decided with the other ranks: each proposes its own decision, all do
+        the most conservative (the minimum :class:`Action`)."""
+        agreement = self._agreement
+        assert agreement is not None
+        leaves, tree = compat.tree_flatten((args, kwargs))
+        local = self._propose(args, kwargs, leaves, tree)
+        agreed = Action(agreement.agree(int(local.action)))
+        self.counts.agreed_calls += 1
+        if agreed is not local.action:
+            self.counts.overruled_calls += 1
+        if agreed is Action.REFUSE:
+            # every rank refuses at this call: no decision is left to agree on
+            reason = self._agreed_reason(agreement, local.reason, "refused")
+            self._agreement = None
+            return self._do(_Decision(Action.REFUSE, reason=reason), args, kwargs, leaves, tree)
+        if agreed is local.action:
+            return self._do(local, args, kwargs, leaves, tree)
+        if agreed is Action.EAGER or (agreed is Action.WARM_UP and local.action is Action.REPLAY):
+            return self._eager(args, kwargs)
+        if agreed is Action.WARM_UP:  # this rank would have captured: warm up once more
+            warm = dataclasses.replace(local, action=agreed, rec=None)
+            return self._do(warm, args, kwargs, leaves, tree)
+        # agreed CAPTURE, this rank would have replayed: record its guard set again too
+        assert local.rec is not None
+        self._recordings.remove(local.rec)
+        self._last = None
+        assert self._targets is not None
+        probe = StepProbe(self._targets)
+        current = probe.read(leaves, tree, named=True)
+        self._new.mismatch = None
+        self._rerecords.append("another rank recorded a new guard set at this call")
+        return self._capture(args, kwargs, probe, current, leaves, tree, again=True)
+
+    def _propose(self, args: Any, kwargs: Any, leaves: list[Any], tree: Any) -> _Decision:
+        """This rank's own decision for a call (nothing run)."""
+        if self._refusal is not None:
+            return _Decision(Action.REFUSE, reason=self._refusal)
+        flat = (*args, *kwargs.values()) if kwargs else args
+        names = tuple(kwargs)
+        last = self._last
+        for rec in (last, *(r for r in self._recordings if r is not last)):
+            check = rec.fast if rec is not None else None
+            if rec is None or check is None or check.keywords != names:
+                continue
+            if check.matches(flat):
+                if self._held(rec):
+                    break
+                return _Decision(Action.REPLAY, rec=rec)
+        self.counts.slow_calls += 1
+        decision = self._decide(leaves, tree)
+        if decision.action is Action.REPLAY and decision.rec is not None:
+            if self._held(decision.rec):
+                assert self._targets is not None
+                probe = StepProbe(self._targets)
+                current = probe.read(leaves, tree, named=True)
+                return _Decision(Action.CAPTURE, rec=decision.rec, probe=probe, current=current)
+        return decision
+
+    def _held(self, rec: Recording) -> bool:
+        """Whether ``rec`` may not replay now (a view of its last outputs is held)."""
+        for _, count, baseline in rec.out_watch:
+            if count() != baseline:
+                return not protect_outputs(rec)
+        return False
+
+    def _agreed_reason(
+        self, agreement: RankAgreement, own: StepUnsupported | None, what: str
+    ) -> StepUnsupported:
+        """This rank's refusal, or the first refusing rank's as this rank's reason."""
+        texts = agreement.gather(None if own is None else (own.kind.value, str(own)))
+        if own is not None:
+            return own
+        rank, (kind, text) = next((r, t) for r, t in enumerate(texts) if t is not None)
+        return StepUnsupported(
+            _refusal_kind(kind),
+            call_site(self.fn, ""),
+            f"rank {rank} {what}, so every rank does: {text}",
+            f"see rank {rank}'s reason; the ranks decide together so that their "
+            "collectives stay in step",
+        )
 
     def _record_again_cloning(
         self, rec: Recording, args: Any, kwargs: Any, leaves: list[Any], tree: Any
@@ -283,6 +435,9 @@ class CapturedStep(Generic[P, R]):
         self._new.mismatch = None
         self._rerecords.append("a view of an output was held across calls (outputs are copied now)")
         return self._capture(args, kwargs, probe, current, leaves, tree, again=True)
+
+    def _ddps(self) -> list[tuple[str, torch.nn.Module]]:
+        return ddp_modules(self._targets) if self._targets is not None else []
 
     def _eager(self, args: Any, kwargs: Any) -> R:
         self.counts.uncaptured_calls += 1
@@ -347,6 +502,9 @@ class CapturedStep(Generic[P, R]):
         after = probe.read(leaves, tree, named=True)
         changed = before.mismatch(after, ignore_grads=True)
         new = self._new
+        if self._min_warmup > self.options.warmup and self.counts.warmup_calls <= DDP_WARMUP:
+            # DDP's timer reads and bucket rebuild: over before the capture (see _start)
+            syncs = [s for s in syncs if not s.origin.startswith(_DDP_FILE)]
         if syncs and new.sync is None:
             # NOTE: not a refusal yet. Libraries skip their data-dependent checks
             # while a stream is capturing (transformers' masks test
@@ -373,10 +531,19 @@ class CapturedStep(Generic[P, R]):
         """Capture the step under ``current``'s guard set, then replay it once for
         this call (a capture runs nothing)."""
         static = static_arguments(leaves, tree)
+        failed: StepUnsupported | None = None
         try:
             made = record_step(self.capturer, self.fn, probe, static)
         except RuntimeError as exc:
-            self._refuse(self._new.sync or _capture_failed(self.fn, exc))
+            failed = self._new.sync or _capture_failed(self.fn, exc, bool(self._ddps()))
+        agreement = self._agreement
+        if agreement is not None:
+            # NOTE: no rank replays a recording another rank failed to make.
+            if not agreement.agree(0 if failed else 1):
+                failed = self._agreed_reason(agreement, failed, "failed to capture")
+                self._agreement = None
+        if failed is not None:
+            self._refuse(failed)
             return self._eager(args, kwargs)
         rec = new_recording(self.capturer, current, probe, static, made, self._clone_outputs)
         del made
@@ -500,6 +667,8 @@ class CapturedStep(Generic[P, R]):
             rerecords=tuple(self._rerecords),
             budget_skips=c.budget_skips,
             slow_calls=c.slow_calls,
+            agreed_calls=c.agreed_calls,
+            overruled_calls=c.overruled_calls,
         )
 
 
@@ -513,13 +682,37 @@ def _python_state(fn: Callable[..., Any], changed: GuardMismatch) -> StepUnsuppo
     )
 
 
-def _capture_failed(fn: Callable[..., Any], exc: RuntimeError) -> StepUnsupported:
+#: Where DDP's own host synchronizations come from (``StepUnsupported.origin``).
+_DDP_FILE = "torch/nn/parallel/distributed.py:"
+
+#: What a DDP step's capture needs that capture_step cannot set itself.
+DDP_CAPTURE_HINT = (
+    "for DDP, PyTorch's whole-network capture recipe also needs "
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING=0 in the environment before init_process_group, "
+    "and the DDP module constructed on a side stream "
+    "(with torch.cuda.stream(torch.cuda.Stream()): model = DDP(model, ...)); "
+    "capture_step itself warms DDP up for 11 iterations and sets its runtime-logging "
+    "sample rate"
+)
+
+
+def _capture_failed(
+    fn: Callable[..., Any], exc: RuntimeError, ddp: bool = False
+) -> StepUnsupported:
     return StepUnsupported(
         CudagraphRefusalKind.CAPTURE_FAILED,
         call_site(fn, ""),
         f"torch.cuda.graph capture raised {type(exc).__name__}: {exc}",
-        "run it with TORCHLOOM_LOG=debug and report the op",
+        DDP_CAPTURE_HINT if ddp else "run it with TORCHLOOM_LOG=debug and report the op",
     )
+
+
+def _refusal_kind(value: str) -> StepRefusalKind | CudagraphRefusalKind:
+    """A refusal kind from its value (sent from another rank)."""
+    try:
+        return StepRefusalKind(value)
+    except ValueError:
+        return CudagraphRefusalKind(value)
 
 
 def capture_step(

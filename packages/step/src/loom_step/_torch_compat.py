@@ -16,9 +16,14 @@ from typing import Any
 import torch
 
 __all__ = [
+    "all_gather_object",
+    "all_reduce_min",
     "data_ptrs_equal",
+    "distributed_initialized",
     "foreach_copy_",
     "global_state_check",
+    "host_group",
+    "set_ddp_runtime_logging_sample_rate",
     "storage_counter",
     "storage_use_count",
     "tensors_check",
@@ -113,3 +118,57 @@ def _data_ptrs_equal_py(tensors: list[Any], ptrs: list[int | None], indices: lis
 data_ptrs_equal: Callable[[list[Any], list[int | None], list[int]], bool] = getattr(
     torch._C, "_tensors_data_ptrs_at_indices_equal", _data_ptrs_equal_py
 )
+
+
+# --- torch.distributed: DDP's timer logging, the ranks' agreement --------------------------
+
+
+def set_ddp_runtime_logging_sample_rate(ddp: torch.nn.Module, rate: int) -> None:
+    """``DistributedDataParallel._set_ddp_runtime_logging_sample_rate`` (a DDP with the
+    Python reducer has none)."""
+    setter = getattr(ddp, "_set_ddp_runtime_logging_sample_rate", None)
+    if setter is not None and getattr(ddp, "reducer", None) is not None:
+        setter(rate)
+
+
+def distributed_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+#: gloo groups made for agreement, by the ranks they span (made once per process).
+_HOST_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def host_group(group: Any) -> tuple[Any, int]:
+    """A gloo group over ``group``'s ranks (``None``: the default group) and its size:
+    ``group`` itself when it is gloo, else one made with ``new_group`` (a collective
+    call over the default group, made once per set of ranks)."""
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    size = dist.get_world_size(group)
+    if size < 2 or dist.get_backend(group) == "gloo":
+        return group, size
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _HOST_GROUPS:
+        _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
+    return _HOST_GROUPS[ranks], size
+
+
+def all_reduce_min(value: int, group: Any) -> int:
+    """The minimum of ``value`` over ``group``'s ranks (a host tensor: no device work)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t[0])
+
+
+def all_gather_object(value: Any, group: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out

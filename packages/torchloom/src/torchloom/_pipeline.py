@@ -14,7 +14,8 @@
      │                                   chosen (CUDA-graph segments or the whole graph)
      │                      then the result stored in the cache (after the first
      │                      backward when AOTAutograd compiles it lazily)         → Compiled
-     └─ wrap_runtime      resize storage guard, hook guards and pack effects      → callable
+     └─ wrap_runtime      resize storage guard, hook guards and pack effects, the
+                          DDP optimizer's fake first call answered                → callable
 
 Each step takes and returns frozen values. What is mutable is named: the graph's
 report builder (``Snapshot.record``), which every step writes to and which keeps
@@ -71,6 +72,7 @@ from torchloom._cudagraph import (
     release_graphs,
     replay_plans,
 )
+from torchloom._ddp_optimizer import answer_fake_first_call
 from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
 from torchloom._grad_hooks import grad_hooks_context, inline_grad_hooks
 from torchloom._hooks import (
@@ -363,11 +365,15 @@ def compile_cold(
 
 
 def wrap_runtime(prepared: Prepared, compiled: Compiled) -> Callable[..., Any]:
-    """Step 4: the callable for Dynamo: storage-size guard, hook guards and effects."""
+    """Step 4: the callable for Dynamo: storage-size guard, hook guards and effects;
+    under Dynamo's DDP optimizer, its first call on fake tensors answered without
+    running anything (see :mod:`torchloom._ddp_optimizer`)."""
     snapshot = prepared.snapshot
     with snapshot.record.timed("runtime.wrap"):
         fn = guard_storage_sizes(compiled.fn, snapshot, prepared.resize)
-        return wrap_hooks_runtime(fn, prepared.hooks, compiled.hooks)
+        fn = wrap_hooks_runtime(fn, prepared.hooks, compiled.hooks)
+        cold = compiled.source is CompiledSource.COLD
+        return answer_fake_first_call(fn, compiled.fn if cold else None, snapshot.gm)
 
 
 # --- AOTAutograd: serving and compiling -----------------------------------------------------

@@ -49,6 +49,8 @@ __all__ = [
     "dynamo_reset",
     "eager_partition",
     "entry_guards_hold",
+    "fake_outputs_of",
+    "fakify_first_call",
     "graph_output_strides",
     "inductor_compile_backward",
     "inductor_compile_forward",
@@ -57,6 +59,7 @@ __all__ = [
     "inductor_decompositions",
     "inductor_partition",
     "inductor_pre_grad_passes",
+    "is_fake_call",
     "mark_boxed",
     "num_model_outputs",
     "publish_entry_fw_metadata",
@@ -406,6 +409,44 @@ def publish_entry_fw_metadata(entry: Any) -> None:
         return
     subclass_meta = getattr(entry, "maybe_subclass_meta", None)
     ctx.fw_metadata = entry.runtime_metadata if subclass_meta is None else subclass_meta.fw_metadata
+
+
+# --- Dynamo's DDP optimizer: the first call on fake tensors ---------------------------------
+
+
+def fakify_first_call() -> bool:
+    """``TracingContext.fakify_first_call``: Dynamo's DDP optimizer set it around this
+    compile and will call the compiled graph once on fake tensors, expecting fake
+    outputs (``torch/_dynamo/backends/distributed.py``, ``SubmodCompiler.run_node``).
+    AOTAutograd answers that call in ``FakifiedOutWrapper`` on a cold compile only:
+    a result served from a cache has no such wrapper (PyTorch's own cache bypasses
+    itself while the flag is set)."""
+    ctx = TracingContext.try_get()
+    return bool(ctx is not None and ctx.fakify_first_call)
+
+
+def is_fake_call(args: Sequence[Any]) -> bool:
+    """Whether a call's tensor arguments include a fake tensor (the DDP optimizer's call)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(a, FakeTensor) for a in args)
+
+
+def fake_outputs_of(gm: GraphModule, args: Sequence[Any]) -> Any:
+    """``gm`` run on fake ``args``, its parameters and buffers fakified first, as the
+    DDP optimizer runs a bucket that did not go through AOTAutograd
+    (``deepcopy_to_fake_tensor``, real parameters allowed): fake outputs with
+    eager strides, which Inductor keeps for graph outputs (``keep_output_stride``)."""
+    from unittest import mock
+
+    from torch._dynamo.utils import deepcopy_to_fake_tensor
+
+    fake_mode = detect_fake_mode(args)
+    if fake_mode is None:
+        raise AssertionError("fake_outputs_of: no fake tensor among the arguments")
+    with fake_mode, mock.patch.object(fake_mode, "allow_non_fake_inputs", True):
+        fake_gm = deepcopy_to_fake_tensor(gm, fake_mode)
+        return fake_gm(*args)
 
 
 def autograd_cache_forced() -> contextlib.AbstractContextManager[None]:

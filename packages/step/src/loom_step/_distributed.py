@@ -1,0 +1,139 @@
+"""A step that trains with DDP, and the ranks agreeing on what each call does.
+
+**DDP.** ``DistributedDataParallel`` synchronizes with the host in its own forward:
+for its first 10 iterations, and every ``sample_rate``-th (100) after, it reads the
+CUDA timer events of the previous iteration on the host (``_pre_forward``:
+``self.logger.set_runtime_stats_and_log()``), and after its first iteration it
+rebuilds its gradient buckets (new bucket memory, a broadcast of the order).
+PyTorch's whole-network capture recipe for DDP runs 11 eager iterations first. A
+step whose targets include a DDP module is warmed up for :data:`DDP_WARMUP` calls
+at least, and its DDP modules' runtime-logging sample rate is set so high that no
+later iteration (a re-recording's capture included) reads the timers again.
+
+**Ranks.** Every decision a step makes (replay, warm up, capture, run uncaptured,
+refuse) must be the same on every rank: a rank that captures while another replays
+or runs eagerly issues its collectives differently (a capture records them and a
+replay launches them; on the host stand-in a capture runs them once more), and a
+rank that compiles while others wait pushes them towards the collective timeout.
+When the step involves a process group (a DDP module, or an FSDP-sharded one) and
+that group has more than one rank, each call's decision is the minimum over the
+ranks of each rank's :class:`Action` (lower is more conservative), agreed with one
+``all_reduce`` of one integer over a gloo group (the DDP's own when it is gloo, else
+a gloo group over the same ranks made on the first call): no device work, no
+device synchronization.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from loom_step import _torch_compat as compat
+from loom_step._targets import StepTargets
+
+__all__ = [
+    "DDP_WARMUP",
+    "Action",
+    "RankAgreement",
+    "ddp_modules",
+    "quiet_ddp_timers",
+    "rank_agreement",
+]
+
+log = logging.getLogger("torchloom.capture_step")
+
+#: Eager DDP iterations before a capture (PyTorch's recipe: DDP's timer logging
+#: covers its first 10 iterations, its bucket rebuild the second).
+DDP_WARMUP = 11
+#: DDP's runtime-logging sample rate under capture_step: the timers are read in the
+#: first 10 iterations only (DDP reads them when ``iteration % rate == 0``).
+DDP_SAMPLE_RATE = 2**31 - 1
+
+
+class Action(enum.IntEnum):
+    """What one call of a step does, ordered from the most conservative: the ranks
+    agree on the minimum of their proposals."""
+
+    #: Refuse for good (every later call runs the step as written).
+    REFUSE = 0
+    #: Run this call uncaptured (a spent recording budget, another rank's warm-up).
+    EAGER = 1
+    #: An eager call before a capture (on the capture's side stream).
+    WARM_UP = 2
+    #: Capture a recording, then replay it once.
+    CAPTURE = 3
+    #: Replay a recording.
+    REPLAY = 4
+
+
+def ddp_modules(targets: StepTargets) -> list[tuple[str, torch.nn.Module]]:
+    """The DDP modules among a step's modules (a compiled DDP's ``_orig_mod`` too)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    found: dict[int, tuple[str, torch.nn.Module]] = {}
+    for name, module in targets.modules:
+        inner = getattr(module, "_orig_mod", None)
+        for m in (module, inner):
+            if isinstance(m, DistributedDataParallel):
+                found.setdefault(id(m), (name, m))
+    return list(found.values())
+
+
+def _fsdp_modules(targets: StepTargets) -> list[torch.nn.Module]:
+    """Modules sharded with FSDP2's ``fully_shard`` (their class is ``FSDP<Class>``)."""
+    return [
+        m
+        for _, root in targets.modules
+        for m in root.modules()
+        if type(m).__name__.startswith("FSDP") and hasattr(m, "unshard")
+    ]
+
+
+def quiet_ddp_timers(ddps: Sequence[tuple[str, torch.nn.Module]]) -> None:
+    """Set each DDP's runtime-logging sample rate so that no iteration after its 10th
+    reads the CUDA timers on the host (``_set_ddp_runtime_logging_sample_rate``)."""
+    for name, ddp in ddps:
+        compat.set_ddp_runtime_logging_sample_rate(ddp, DDP_SAMPLE_RATE)
+        log.debug(
+            "capture_step: %s (DDP): runtime logging sample rate set to %d", name, DDP_SAMPLE_RATE
+        )
+
+
+class RankAgreement:
+    """The ranks of one process group agreeing on each call's :class:`Action`."""
+
+    def __init__(self, group: Any, ranks: int) -> None:
+        self.group = group
+        self.ranks = ranks
+        #: calls decided together (one all_reduce each)
+        self.calls = 0
+
+    def agree(self, proposal: int) -> int:
+        """The minimum of every rank's ``proposal``."""
+        self.calls += 1
+        return compat.all_reduce_min(proposal, self.group)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (a refusal's text: rare, so objects are fine)."""
+        return compat.all_gather_object(value, self.group)
+
+
+def rank_agreement(targets: StepTargets, setting: bool | None) -> RankAgreement | None:
+    """The agreement a step's calls need, or ``None``: ``setting`` ``False`` never,
+    ``True`` over the default group, ``None`` (auto) when the step uses a DDP or an
+    FSDP2 module and torch.distributed runs more than one rank. Called on the first
+    call of the step on every rank (it may create a gloo group: a collective call)."""
+    if setting is False or not compat.distributed_initialized():
+        return None
+    ddps = ddp_modules(targets)
+    group = getattr(ddps[0][1], "process_group", None) if ddps else None
+    if setting is None and not ddps and not _fsdp_modules(targets):
+        return None
+    group, ranks = compat.host_group(group)
+    if ranks < 2:
+        return None
+    return RankAgreement(group, ranks)
