@@ -8,7 +8,7 @@ every session that needs no GPU; the ``gpu`` tier runs through
 
 torch releases (docs/releases.md): the ``unit-*``, ``mypy``, ``integration`` and
 ``lint`` sessions run on the locked torch (2.11); ``newest`` runs every package's
-unit tests and the integration corpus on the newest release; ``smoke`` runs
+unit tests, the corpus programs and the smoke test on the newest release; ``smoke`` runs
 ``tests_integration/test_release_smoke.py`` on each release in between.
 ``bench-default`` guards the default path against Inductor (a quick CPU run of
 ``benchmarks/bench_default.py --check``).
@@ -115,23 +115,27 @@ def integration(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def newest(session: nox.Session) -> None:
-    """Every package's unit tests, then the integration corpus, on the newest torch.
+    """Every package's unit tests on the newest torch, then the integration corpus's
+    programs (``test_corpus.py``, without its Inductor-marked half) and the release
+    smoke test.
 
-    The integration corpus leaves out its ``inductor``-marked end-to-end tests here
-    (the locked torch's ``integration`` session runs them, and the unit tests cover
-    the Inductor path on this release): each costs a CPU Inductor compile, and CI's
-    whole run must stay under 30 minutes.
+    The rest of the integration tier (real models, cross-process cache and fleet
+    tests, two-rank runs) runs on the locked torch's ``integration`` session only:
+    each costs fresh processes or a CPU Inductor compile, and CI's whole run must
+    stay under 30 minutes. The unit tests cover every compat module on this release
+    (less the two ``fresh_processes`` ones: the demo and a cross-process Inductor reload,
+    minutes of CPU Inductor compiles in child processes).
 
     No torchvision is published for it yet: the ResNet-18 tests skip with that
     reason (``transformers`` is pure Python and installed).
     """
     _install_release(session, NEWEST_TORCH, "transformers>=4.46")
     units = [f"packages/{folder}/tests" for folder in PACKAGES]
-    session.run("pytest", *units, *MARKS, *PARALLEL, env=_pytest_env())
+    unit_marks = ("-m", f"{MARKS[1]} and not fresh_processes")
+    session.run("pytest", *units, *unit_marks, *PARALLEL, env=_pytest_env())
+    corpus = ("tests_integration/test_corpus.py", "tests_integration/test_release_smoke.py")
     marks = ("-m", f"{MARKS[1]} and not inductor")
-    session.run(
-        "pytest", "tests_integration", *marks, *PARALLEL, *session.posargs, env=_pytest_env()
-    )
+    session.run("pytest", *corpus, *marks, *PARALLEL, *session.posargs, env=_pytest_env())
 
 
 @nox.session(python=PYTHON)

@@ -364,7 +364,7 @@ def main() -> int:
         first_names = []
     rounds = args.rounds or (5 if quick else 7)
     iters = args.iters or (10 if quick else 30)
-    warm_runs = args.warm_runs or 3
+    warm_runs = args.warm_runs or (2 if quick else 3)
     pairs = ("step", "step cg") if device == "cuda" else ("step",)
 
     rows: list[dict[str, Any]] = []

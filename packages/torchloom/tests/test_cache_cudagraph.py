@@ -273,6 +273,7 @@ def test_second_process_on_a_cpu_only_machine_hits_with_the_same_plan_entries(
 
 
 @pytest.mark.inductor
+@pytest.mark.fresh_processes
 def test_inductor_segments_reload_without_inductors_own_cache(tmp_path: Path) -> None:
     # The warm process gets an empty Inductor cache: the segments' generated code
     # comes from loom's artifact alone.

@@ -19,6 +19,7 @@ def test_unknown_command_exits_with_usage(capsys: pytest.CaptureFixture[str]) ->
 
 
 @pytest.mark.inductor
+@pytest.mark.fresh_processes
 def test_demo_compiles_checks_against_eager_and_prints_a_table(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
