@@ -44,9 +44,12 @@ Configurations (``--config``, several allowed; default: all):
   ``speedup_vs_eager`` and ``capture_step_vs_raw_graph``. Run it with and without
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (reported as ``async_error_handling``).
 - ``cache``: the FSDP2 transformer compiled with loom and its cache on, both
-  ranks sharing one ``TORCHLOOM_CACHE_DIR``. Each rank's cache entries from
-  ``torchloom.report()`` are printed; with ``--expect-hits`` (the second
-  ``torchrun`` on the same directory) every rank must hit and none may miss.
+  ranks sharing one ``TORCHLOOM_CACHE_DIR`` (``--cache-per-rank``: each rank its
+  own ``<dir>/rank<N>``, as nodes with local caches). Each rank's cache entries
+  from ``torchloom.report()`` are printed; every graph must be served on every
+  rank or on none (``agreed_across_ranks``: the same hits and misses on every
+  rank, one agreement per graph); with ``--expect-hits`` (the second ``torchrun``
+  on the same directory) every rank must hit and none may miss.
 - ``fsdp2-cudagraphs`` (GPU only): FSDP2 with ``skip_fsdp_hooks=False``,
   compiled autograd on (the backward graph holds the collectives) and
   ``cudagraphs=True``. Either loom captures and the steps match eager, or the
@@ -650,6 +653,10 @@ def run_cache(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     cmp = _compare(sides["eager"], sides["loom"])
     hits_ok = all(r.get("hit", 0) > 0 and not r.get("miss", 0) for r in per_rank)
     stored_ok = all(r.get("hit", 0) > 0 or r.get("stored", 0) > 0 for r in per_rank)
+    # every graph served on every rank or on none (torchloom/_cache_ranks.py)
+    agreed_ok = len({(r.get("hit", 0), r.get("miss", 0)) for r in per_rank}) == 1 and all(
+        r.get("agreed", 0) == r.get("hit", 0) + r.get("miss", 0) for r in per_rank
+    )
     ok = (
         cmp["loss_diff"] <= args.tol
         and cmp["grad_diff"] <= args.tol
@@ -657,10 +664,12 @@ def run_cache(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         and seq["grad_diff"] <= args.tol
         and not report["fallbacks"]
         and (hits_ok if args.expect_hits else stored_ok)
+        and agreed_ok
     )
     return {
         "verdict": "PASS" if ok else "FAIL",
         "expect_hits": args.expect_hits,
+        "agreed_across_ranks": agreed_ok,
         "cache_dir_shared": _gather(os.environ.get("TORCHLOOM_CACHE_DIR")),
         "cache_per_rank": per_rank,
         "ddp_bucket_graphs": seq["graphs"],
@@ -880,6 +889,11 @@ def main() -> int:
     parser.add_argument("--codegen", choices=("inductor", "eager"), default=None)
     parser.add_argument("--expect-hits", action="store_true", help="cache: every rank must hit")
     parser.add_argument(
+        "--cache-per-rank",
+        action="store_true",
+        help="cache: each rank uses $TORCHLOOM_CACHE_DIR/rank<N>, a local cache of its own",
+    )
+    parser.add_argument(
         "--time-steps", type=int, default=None, help="ddp, ddp-cg: timed steps per side"
     )
     parser.add_argument(
@@ -907,6 +921,9 @@ def main() -> int:
 
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
+    if args.cache_per_rank:  # before any compile: the cache reads it at its first use
+        root = os.environ.get("TORCHLOOM_CACHE_DIR") or os.path.expanduser("~/.cache/torchloom")
+        os.environ["TORCHLOOM_CACHE_DIR"] = os.path.join(root, f"rank{rank}")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
