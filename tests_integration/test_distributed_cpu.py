@@ -174,7 +174,8 @@ def test_one_cache_directory_shared_by_both_ranks_hits_on_both_in_a_second_run(
     assert second["verdict"] == "PASS", second
     # both ranks: the FSDP2 graphs and the DDP optimizer's bucket graphs, all hits
     graphs = second["graphs"] + second["ddp_bucket_graphs"]
-    assert second["cache_per_rank"] == [{"hit": graphs}, {"hit": graphs}]
+    assert second["cache_per_rank"] == [{"agreed": graphs, "hit": graphs}] * 2
+    assert first["agreed_across_ranks"] and second["agreed_across_ranks"]
 
 
 @pytest.mark.multigpu

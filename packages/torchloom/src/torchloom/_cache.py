@@ -66,6 +66,9 @@ _LOOM_MODULES: Final = (
     "loom_cells",
 )
 
+#: Options that change whether the cache is used, not what a compilation makes.
+_NOT_IN_KEY: Final = frozenset({"cache", "cache_agree"})
+
 _store_lock = threading.Lock()
 _stores: dict[loom_cache.CacheConfig, loom_cache.TieredStore] = {}
 
@@ -223,7 +226,7 @@ def _make_key(
         fp,
         device=_device(snapshot.example_inputs),
         backend=("loom", _versions(pipeline)),
-        options={k: v for k, v in options.as_dict().items() if k != "cache"},
+        options={k: v for k, v in options.as_dict().items() if k not in _NOT_IN_KEY},
         extra=components,
     )
 

@@ -54,7 +54,7 @@ def resolve_step_options(
     """The step's options and loom's (for ``cudagraph_or_error`` and the report) from
     ``capture_step``'s keyword arguments over the environment."""
     env = os.environ if env is None else env
-    values: dict[str, int] = {}
+    values: dict[str, Any] = {}
     for key, field in STEP_OPTIONS.items():
         var = f"TORCHLOOM_{key.upper()}"
         if key in options:

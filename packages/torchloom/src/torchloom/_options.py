@@ -69,6 +69,10 @@ class LoomOptions:
     #: Reuse compiled graphs across processes through loom's cache (local store,
     #: plus Redis when ``TORCHLOOM_REMOTE_CACHE`` is set). ``TORCHLOOM_CACHE=0`` turns it off.
     cache: bool = True
+    #: Under torch.distributed with more than one rank, agree across the ranks before
+    #: serving a graph from the cache: every rank is served or every rank compiles
+    #: (docs/distributed.md). ``TORCHLOOM_CACHE_AGREE=0`` turns it off.
+    cache_agree: bool = True
 
     def changed(self, **updates: Any) -> LoomOptions:
         """A copy with ``updates`` applied and validated."""

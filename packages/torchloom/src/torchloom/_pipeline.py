@@ -7,6 +7,7 @@
      ├─ prepare           hooks traced, resize plan, cache key                    → Prepared
      ├─ compile_context   the CUDA-graph session joined; Dynamo's hook inlining off
      ├─ serve_from_cache  a hit: AOTAutograd's stored result, nothing traced     → Compiled
+     │                      (under torch.distributed, served on every rank or none)
      │  or compile_cold   loom's passes over Dynamo's graph, then AOTAutograd with
      │                      loom's compilers:
      │                      _partition   partition, saved-tensor hooks placed  → fw, bw, placement
@@ -61,6 +62,12 @@ from torchloom._cache import (
     look_up,
     record_hit,
     replay_artifact,
+)
+from torchloom._cache_ranks import (
+    CacheAgreement,
+    agree_on_bypass,
+    agree_on_lookup,
+    cache_agreement,
 )
 from torchloom._cudagraph import (
     CudagraphSession,
@@ -147,6 +154,9 @@ class Pipeline:
     cudagraph_device: str | None = None
     #: The cache store of this process.
     store: Callable[[], loom_cache.TieredStore] = cache_store
+    #: The ranks' agreement on each lookup under torch.distributed (``None``: none),
+    #: given the option ``cache_agree``.
+    agreement: Callable[[bool], CacheAgreement | None] = cache_agreement
     #: Codegen for ``codegen="eager"`` graphs the cache does not take (cache off).
     eager_codegen: Codegen = eager_codegen
     plan_graph: PlanFn = loom_cudagraph.plan_graph
@@ -312,10 +322,15 @@ def serve_from_cache(
     codegen) and replays the cold compilation's report. Otherwise it returns the
     lookup that missed, with the reason (``None``: the graph bypasses the cache)."""
     key, record = prepared.key, prepared.snapshot.record
+    agreement = _cache_agreement(parts, prepared)
     if isinstance(key, loom_cache.CacheBypass):
+        if agreement is not None:  # a miss on this rank: the ranks stay paired
+            agree_on_bypass(record, agreement)
         return None
     with record.timed("cache.load"):
         lookup = look_up(parts.store(), key)
+    if agreement is not None:
+        lookup = agree_on_lookup(record, agreement, lookup)
     if lookup.artifact is None:
         return lookup
     slot = AotCacheSlot(key=f"loom-{key.digest}", load=lookup.artifact.aot_result, serve_only=True)
@@ -332,6 +347,19 @@ def serve_from_cache(
         )
         record_hit(record, lookup)
     return Compiled(fn, CompiledSource.CACHE)
+
+
+def _cache_agreement(parts: Pipeline, prepared: Prepared) -> CacheAgreement | None:
+    """The ranks' agreement on this graph's lookup: under torch.distributed with more
+    than one rank, whenever the cache is on (a graph that bypasses it takes part as a
+    miss); see :mod:`torchloom._cache_ranks`."""
+    key = prepared.key
+    disabled = (
+        isinstance(key, loom_cache.CacheBypass) and key.kind is loom_cache.CacheBypassKind.DISABLED
+    )
+    if disabled:
+        return None
+    return parts.agreement(prepared.snapshot.options.cache_agree)
 
 
 def compile_cold(
