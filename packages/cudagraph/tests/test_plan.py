@@ -374,3 +374,36 @@ def test_cpu_scalar_constant_is_captured_but_cpu_scalar_input_is_not() -> None:
     assert classify_node(mul_const, cuda) is None
     reason = classify_node(mul_input, cuda)
     assert reason is not None and reason.kind is CudagraphRefusalKind.CPU_TENSOR
+
+
+def test_collectives_stay_in_program_order_between_the_layers_they_feed() -> None:
+    """A collective moves above no node before it: an FSDP2-like graph (gather a
+    layer's weight, then compute with it) keeps one layer's weight gathered at a
+    time, not every gather first and every layer's compute after."""
+    from loom_cudagraph import mark_non_capturable, unmark_non_capturable
+
+    mark_non_capturable(
+        torch.ops.aten.cos, "stands in for an all-gather", kind=CudagraphRefusalKind.COLLECTIVE
+    )
+    try:
+
+        def f(
+            x: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor
+        ) -> torch.Tensor:
+            for shard in (s0, s1, s2):
+                w = shard.cos()  # the "all-gather": depends on a graph input alone
+                x = torch.tanh(x @ w)
+            return x
+
+        plan = plan_of(f, ((4, 4), CUDA), ((4, 4), CUDA), ((4, 4), CUDA), ((4, 4), CUDA))
+    finally:
+        unmark_non_capturable(torch.ops.aten.cos)
+    seg_of = {n: s.index for s in plan.segments for n in s.nodes}
+    gathers = sorted((n for n in seg_of if n.startswith("cos")), key=seg_of.__getitem__)
+    matmuls = sorted((n for n in seg_of if n.startswith("mm")), key=seg_of.__getitem__)
+    assert len(gathers) == len(matmuls) == 3
+    order = [seg_of[n] for pair in zip(gathers, matmuls, strict=True) for n in pair]
+    # gather 0 < layer 0 < gather 1 < layer 1 < gather 2 < layer 2
+    assert order == sorted(order) and len(set(order)) == 6, plan.segments
+    assert all(not plan.segments[seg_of[g]].captured for g in gathers)
+    assert all(plan.segments[seg_of[m]].captured for m in matmuls)

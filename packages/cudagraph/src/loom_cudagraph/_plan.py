@@ -289,13 +289,23 @@ class _Scheduler:
 
     def run(self) -> dict[torch.fx.Node, int]:
         deps = self._deps()
+        # NOTE: a collective is a barrier: it moves above no node that precedes it.
+        # Hoisted (it depends on graph inputs alone), every all-gather of an FSDP2
+        # graph would run first and every layer's unsharded parameters live at once,
+        # as would every gradient before the first reduce-scatter; kept in program
+        # order, segments follow the per-layer order FSDP2's memory plan relies on.
+        high = 0
         for n in self.nodes:
             floor = max((self.level[d] for d in deps[n] if d in self.level), default=0)
             if n.target is operator.getitem and n.args and n.args[0] in self.level:
                 self.level[n] = self.level[n.args[0]]  # type: ignore[index]
                 continue
-            parity = 1 if n in self.refusals else 0
-            self.level[n] = floor if floor % 2 == parity else floor + 1
+            refusal = self.refusals.get(n)
+            if refusal is not None and refusal.kind is CudagraphRefusalKind.COLLECTIVE:
+                floor = max(floor, high)
+            parity = 1 if refusal is not None else 0
+            self.level[n] = level = floor if floor % 2 == parity else floor + 1
+            high = max(high, level)
         return self.level
 
 
