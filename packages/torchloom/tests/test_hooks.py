@@ -123,9 +123,16 @@ def _entries(kind: str) -> list[torchloom.ReportEntry]:
 
 
 def check_against_eager(
-    hooks: Any, device: str = "cpu", options: Any = None, backend: Any = "loom", **tol: Any
+    hooks: Any,
+    device: str = "cpu",
+    options: Any = None,
+    backend: Any = "loom",
+    model: torch.nn.Module | None = None,
+    x: torch.Tensor | None = None,
+    **tol: Any,
 ) -> Any:
-    model, x = _mlp(device), torch.randn(8, 16, device=device)
+    model = _mlp(device) if model is None else model
+    x = torch.randn(8, 16, device=device) if x is None else x
     want = _train_step(model, model, x, hooks)
     compiled = torch.compile(model, backend=backend, options=options or OPTS)
     got = _train_step(compiled, model, x, hooks)
@@ -397,6 +404,101 @@ def test_a_symbolic_size_in_a_side_effect_stays_eager_with_the_reason() -> None:
     (refused,) = _entries("refused")
     assert "symbolic size" in refused.message
     assert (5, 16) in rec.shapes  # the hook ran eagerly, with real sizes
+
+
+# -- activation checkpointing --------------------------------------------------------
+
+
+class _Checkpointed(torch.nn.Module):
+    """Non-reentrant ``torch.utils.checkpoint`` around attention (SDPA), an MLP or a
+    whole pre-norm decoder layer (both), applied to two layers in a row."""
+
+    def __init__(self, region: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.region = region
+        self.norm1, self.norm2 = torch.nn.LayerNorm(32), torch.nn.LayerNorm(32)
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def attention(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm1(h)).view(2, 8, 3, 2, 16).unbind(2)
+        a = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return h + self.out(a.transpose(1, 2).reshape(2, 8, 32))
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.nn.functional.silu(self.up(self.norm2(h))))
+
+    def layer(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.attention(h))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        region = getattr(self, self.region)
+        checkpoint = torch.utils.checkpoint.checkpoint
+        for _ in range(2):
+            h = checkpoint(region, h, use_reentrant=False)
+            if self.region != "layer":
+                h = self.mlp(h) if self.region == "attention" else self.attention(h)
+        return h
+
+
+class _PackCounter:
+    """bf16 hooks that record the shape of every tensor they pack."""
+
+    def __init__(self) -> None:
+        self.packed: list[tuple[int, ...]] = []
+
+    def hooks(self) -> tuple[Any, Any]:
+        packed = self.packed
+
+        def pack(t: torch.Tensor) -> Any:
+            packed.append(tuple(t.shape))
+            return (t.dtype, t.to(torch.bfloat16))
+
+        return pack, cast_unpack
+
+
+@pytest.mark.parametrize("region", ["attention", "mlp", "layer"])
+def test_hooks_are_placed_under_checkpointing_and_match_eager(region: str) -> None:
+    # NOTE: CPU SDPA is tagged nondeterministic_seeded: under checkpointing the
+    # partitioner saves its RNG state and the backward takes it under another name.
+    model, x = _Checkpointed(region), torch.randn(2, 8, 32)
+    counters = _PackCounter(), _PackCounter()
+    want = _train_step(model, model, x, counters[0].hooks())
+    compiled = torch.compile(model, backend="loom", options=OPTS)
+    got = _train_step(compiled, model, x, counters[1].hooks())
+    (placed,) = _entries("placed")
+    assert not _entries("refused")
+    kept = dict(placed.get("kept"))
+    assert "parameter read only inside checkpointed regions" in kept.values()
+    # NOTE: eager packs each region's input (and its own (0,)-shaped marker); loom
+    # packs each region's input too, where the partitioner saves it.
+    region_inputs = [s for s in counters[0].packed if s == (2, 8, 32)]
+    assert region_inputs and set(counters[1].packed) >= {(2, 8, 32)}
+    _assert_same(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_the_issue_checkpointed_sdpa_packs_its_input_and_gives_eager_gradients() -> None:
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.q = torch.nn.Linear(32, 32)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            def attn(t: torch.Tensor) -> torch.Tensor:
+                q = self.q(t).view(2, 8, 2, 16).transpose(1, 2)
+                return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+            return torch.utils.checkpoint.checkpoint(attn, h, use_reentrant=False)  # type: ignore[no-any-return]
+
+    model, x = M(), torch.randn(2, 8, 32)
+    check_against_eager((bf16_pack, cast_unpack), model=model, x=x)
+    (placed,) = _entries("placed")
+    assert placed.get("packed") == ("primals_1",)  # what eager packs: the region's argument
+    assert "RNG state of an op recomputed in backward" in dict(placed.get("kept")).values()
 
 
 # -- hook pairs guarded by content ----------------------------------------------------

@@ -4,10 +4,13 @@ For each tensor the partitioner saves, the pack graph is invoked (as a
 ``loom_saved_tensor_pack`` node) right after the tensor's last forward use and
 its leaves replace the tensor among the forward's saved outputs; the unpack
 graph is invoked (``loom_saved_tensor_unpack``) right before the tensor's first
-backward use, fed by new backward placeholders. Invariant after the pass: the
-forward's saved outputs and the backward's saved inputs have the same names in
-the same order, symbolic sizes after tensors in the forward and before them in
-the backward, as AOTAutograd's runtime expects.
+backward use, fed by new backward placeholders. Saved values are matched to
+backward inputs by position, as AOTAutograd's runtime passes them (the
+partitioner may rename one: the RNG state of a recomputed random op is
+``getitem_N`` in the forward and ``rng_state_output_N`` in the backward).
+Invariant after the pass: the forward's saved outputs and the backward's saved
+inputs line up one to one, with the same metadata, symbolic sizes after tensors
+in the forward and before them in the backward.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import dataclasses
 import enum
 import logging
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,7 +27,12 @@ import torch.fx
 
 from loom_hops._hook_graphs import HookEffects, HookGraphs, TracedPack, TracedUnpack
 from loom_hops._hook_hops import pack_hook_op, unpack_hook_op
-from loom_hops._torch_compat import is_sym_node, is_view_op
+from loom_hops._torch_compat import (
+    in_checkpointed_region,
+    is_rng_state_output,
+    is_sym_node,
+    is_view_op,
+)
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
 
 __all__ = [
@@ -113,14 +122,19 @@ class Placement:
         self.forward.graph.lint()  # type: ignore[no-untyped-call]
         self.backward.graph.lint()  # type: ignore[no-untyped-call]
         saved = list(self.forward.graph.output_node().args[0])[self.num_fwd_outputs :]  # type: ignore[arg-type, index]
-        tensors = [n.name for n in saved if not is_sym_node(n)]
-        syms = [n.name for n in saved if is_sym_node(n)]
-        if [n.name for n in saved] != tensors + syms:
+        tensors = [n for n in saved if not is_sym_node(n)]
+        syms = [n for n in saved if is_sym_node(n)]
+        if saved != tensors + syms:
             raise AssertionError("Placement: symbolic sizes must follow tensors in forward outputs")
-        ins = [n.name for n in self.backward.graph.nodes if n.op == "placeholder"]
-        if ins[: len(syms)] != syms or ins[len(syms) : len(syms) + len(tensors)] != tensors:
+        ins = [n for n in self.backward.graph.nodes if n.op == "placeholder"]
+        expected = syms + tensors
+        got = ins[: len(expected)]
+        if len(got) != len(expected) or any(
+            _mismatch(f, b) is not None for f, b in zip(expected, got, strict=True)
+        ):
             raise AssertionError(
-                f"Placement: forward saves {syms + tensors} but backward takes {ins}"
+                f"Placement: forward saves {[n.name for n in expected]} "
+                f"but backward takes {[n.name for n in ins]}"
             )
         for node in (*self.forward.graph.nodes, *self.backward.graph.nodes):
             if node.op == "call_function" and node.target in (pack_hook_op, unpack_hook_op):
@@ -266,19 +280,47 @@ def _insert_unpack(
 def count_forward_outputs(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> int:
     """How many of the forward's outputs are the user's (the rest are saved for backward).
 
-    The backward's leading placeholders are the saved values, named as the
-    forward nodes they come from; tangents and other inputs follow under
-    other names. A node both returned and saved appears twice among the
-    outputs, so counting the saved block from the end stays exact.
+    The backward's leading placeholders are the saved values; its tangents
+    (``tangents_N``) follow them. A node both returned and saved appears twice
+    among the outputs, so counting the saved block from the end stays exact.
+    Without tangents, the saved block is the leading placeholders named as
+    forward outputs. AOTAutograd passes the exact count to the partition step
+    (``num_fwd_outputs``): prefer it.
     """
     outs = list(forward.graph.output_node().args[0])  # type: ignore[arg-type]
+    ins = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    tangent = next((i for i, n in enumerate(ins) if n.name.startswith("tangents")), None)
+    if tangent is not None:
+        return len(outs) - tangent
     out_names = {n.name for n in outs if isinstance(n, torch.fx.Node)}
     saved = 0
-    for node in backward.graph.nodes:
-        if node.op != "placeholder" or node.name not in out_names:
+    for node in ins:
+        if node.name not in out_names:
             break
         saved += 1
     return len(outs) - saved
+
+
+def _mismatch(saved: torch.fx.Node, given: torch.fx.Node) -> str | None:
+    """Why backward input ``given`` cannot be forward output ``saved`` (``None``: it can).
+
+    The same name is the partitioner's own match; a renamed one must agree in
+    kind (size or tensor), dtype, rank and device.
+    """
+    if saved.name == given.name:
+        return None
+    if is_sym_node(saved) != is_sym_node(given):
+        return f"{saved.name} and {given.name} are not both sizes"
+    want, got = saved.meta.get("val"), given.meta.get("val")
+    if isinstance(want, torch.Tensor) != isinstance(got, torch.Tensor):
+        return f"{saved.name} and {given.name} are not both tensors"
+    if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor):
+        if (want.dtype, want.dim(), want.device) != (got.dtype, got.dim(), got.device):
+            return (
+                f"{saved.name} is {want.dtype}/{want.dim()}d/{want.device}, "
+                f"{given.name} is {got.dtype}/{got.dim()}d/{got.device}"
+            )
+    return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -289,7 +331,8 @@ class _SavedLayout:
     inner: list[Any]
     saved_tensors: list[torch.fx.Node]
     saved_syms: list[torch.fx.Node]
-    backward_inputs: dict[str, torch.fx.Node]
+    #: The backward placeholder of each saved value (sizes and tensors), by position.
+    backward_inputs: dict[torch.fx.Node, torch.fx.Node]
 
 
 #: One saved tensor to pack: the forward node, its pack trace and its unpack trace.
@@ -303,6 +346,7 @@ def place_saved_tensor_hooks(
     num_fwd_outputs: int | None = None,
     hooks: HookGraphs,
     scope: PackScope = PackScope.ALL,
+    static_input_indices: Sequence[int] = (),
 ) -> Placement | Unsupported:
     """Pack each saved tensor after its last forward use, unpack before its first backward use.
 
@@ -311,6 +355,10 @@ def place_saved_tensor_hooks(
     sizes; the backward takes saved sizes, saved tensors, then tangents). Both
     are rewritten in place. On refusal nothing has been changed.
     ``num_fwd_outputs`` defaults to :func:`count_forward_outputs`.
+    ``static_input_indices`` are the forward inputs that are parameters or
+    buffers (the partitioner's ``static_lifetime_input_indices``): one read
+    only by ops of checkpointed regions is not packed, as eager's checkpoint
+    reads it again from the module and never packs it.
 
     >>> placement = place_saved_tensor_hooks(fw, bw, num_fwd_outputs=1,
     ...                                      hooks=GraphModuleHooks(pack_gm, unpack_gm))
@@ -322,7 +370,9 @@ def place_saved_tensor_hooks(
     layout = _read_layout(forward, backward, num_fwd_outputs)
     if isinstance(layout, Unsupported):
         return layout
-    traced = _trace_saved(layout, hooks, scope)
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    params = {placeholders[i] for i in static_input_indices if i < len(placeholders)}
+    traced = _trace_saved(layout, hooks, scope, params)
     if isinstance(traced, Unsupported):
         return traced
     plans, kept = traced
@@ -351,7 +401,12 @@ def place_saved_tensor_hooks(
 def _read_layout(
     forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, num_fwd_outputs: int
 ) -> _SavedLayout | Unsupported:
-    """The saved values, checked against the backward's leading placeholders."""
+    """The saved values, matched by position to the backward's leading placeholders.
+
+    AOTAutograd hands the backward its saved sizes, then its saved tensors, in
+    the forward's order, whatever the backward calls them; a renamed input
+    must still agree in metadata (:func:`_mismatch`).
+    """
     fw_out = forward.graph.output_node()
     outs: list[Any] = list(fw_out.args[0])  # type: ignore[arg-type]
     inner = outs[:num_fwd_outputs]
@@ -359,20 +414,30 @@ def _read_layout(
     saved_tensors = [n for n in saved if isinstance(n, torch.fx.Node) and not is_sym_node(n)]
     saved_syms = [n for n in saved if is_sym_node(n)]
     bw_inputs = [n for n in backward.graph.nodes if n.op == "placeholder"]
-    expected = [n.name for n in saved_syms + saved_tensors]
-    got = [n.name for n in bw_inputs[: len(expected)]]
-    if got != expected or len(saved_tensors) + len(saved_syms) != len(saved):
+    expected = saved_syms + saved_tensors
+    got = bw_inputs[: len(expected)]
+    why = None
+    if saved != saved_tensors + saved_syms:
+        why = "outputs other than nodes, or sizes before tensors"
+    elif len(got) < len(expected):
+        why = "it has fewer inputs"
+    else:
+        why = next((m for f, b in zip(expected, got, strict=True) if (m := _mismatch(f, b))), None)
+    if why is not None:
         return Unsupported(
             HopsRefusalKind.UNEXPECTED_GRAPH_LAYOUT,
             f"graph {type(forward).__name__}",
-            f"the forward saves {expected} but the backward starts with {got}",
-            "run the placement right after a partitioner that keeps saved names",
+            f"the forward saves {[n.name for n in expected]} but the backward starts with "
+            f"{[n.name for n in got]} ({why})",
+            "run the placement right after the partitioner, with its num_fwd_outputs",
         )
-    return _SavedLayout(fw_out, inner, saved_tensors, saved_syms, {n.name: n for n in bw_inputs})
+    return _SavedLayout(
+        fw_out, inner, saved_tensors, saved_syms, dict(zip(expected, got, strict=True))
+    )
 
 
 def _trace_saved(
-    layout: _SavedLayout, hooks: HookGraphs, scope: PackScope
+    layout: _SavedLayout, hooks: HookGraphs, scope: PackScope, params: set[torch.fx.Node]
 ) -> tuple[list[_Plan], list[tuple[str, str]]] | Unsupported:
     """Trace pack and unpack at each saved tensor in scope; the rest is kept, with why."""
     inner_set = {n for n in layout.inner if isinstance(n, torch.fx.Node)}
@@ -382,6 +447,16 @@ def _trace_saved(
         origin = _origin(node, inner_set)
         if scope is PackScope.ACTIVATIONS and origin is not SavedOrigin.ACTIVATION:
             kept.append((node.name, f"{origin.value} (pack scope is activations)"))
+            continue
+        if node in params and _only_in_checkpointed_regions(node):
+            # NOTE: eager checkpointing saves a region's arguments, not what its ops
+            # save; a parameter the region reads is read again from the module.
+            kept.append((node.name, "parameter read only inside checkpointed regions"))
+            continue
+        if is_rng_state_output(node):
+            # NOTE: eager checkpointing keeps the RNG state of a recomputed op in Python,
+            # outside autograd: no hook sees it.
+            kept.append((node.name, "RNG state of an op recomputed in backward"))
             continue
         if node.meta.get("saved_tensor_with_no_vc_check", False):
             kept.append((node.name, "saved without a version check by an autograd.Function"))
@@ -398,6 +473,12 @@ def _trace_saved(
             return unpack
         plans.append((node, traced, unpack))
     return plans, kept
+
+
+def _only_in_checkpointed_regions(node: torch.fx.Node) -> bool:
+    """Whether every forward op that reads ``node`` belongs to a checkpointed region."""
+    users = [u for u in node.users if u.op != "output"]
+    return bool(users) and all(in_checkpointed_region(u) for u in users)
 
 
 def _pack_effects_in_eager_order(
@@ -443,7 +524,7 @@ def _rewrite(
         anchor, leaves = _insert_pack(forward, node, traced, taken)
         replaced[node] = leaves
         first_use = _insert_unpack(
-            backward, layout.backward_inputs[node.name], unpack.graph, leaves, sym_anchor
+            backward, layout.backward_inputs[node], unpack.graph, leaves, sym_anchor
         )
         val = node.meta["val"]
         packed.append(

@@ -264,15 +264,27 @@ def place_hooks(
     fw_gm: GraphModule,
     bw_gm: GraphModule,
     place: Callable[..., loom_hops.Placement | loom_hops.Unsupported],
+    *,
+    num_fwd_outputs: int | None = None,
+    static_input_indices: Sequence[int] = (),
 ) -> HookPlacement:
     """After the partitioner: pack each saved tensor after its last forward use and
     unpack it before its first backward use (``place`` is
-    ``loom_hops.place_saved_tensor_hooks`` unless a test passes another)."""
+    ``loom_hops.place_saved_tensor_hooks`` unless a test passes another;
+    ``num_fwd_outputs`` and ``static_input_indices`` are what AOTAutograd told the
+    partition step)."""
     if plan.graphs is None:
         return HookPlacement()
     record = snapshot.record
     scope = loom_hops.PackScope(snapshot.options.saved_tensor_hooks_scope)
-    placement = place(fw_gm, bw_gm, hooks=plan.graphs, scope=scope)
+    placement = place(
+        fw_gm,
+        bw_gm,
+        num_fwd_outputs=num_fwd_outputs,
+        hooks=plan.graphs,
+        scope=scope,
+        static_input_indices=static_input_indices,
+    )
     if isinstance(placement, loom_hops.Unsupported):
         return HookPlacement(refused=_refuse(snapshot, placement))
     record.add_plan("hooks.placement", placement)

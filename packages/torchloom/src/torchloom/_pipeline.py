@@ -469,7 +469,15 @@ def _partition(
         else:
             fw, bw = compat.eager_partition(joint, joint_inputs, **kwargs)
     with record.timed("hooks.place"):
-        placement = place_hooks(snapshot, prepared.hooks, fw, bw, parts.place_saved_tensor_hooks)
+        placement = place_hooks(
+            snapshot,
+            prepared.hooks,
+            fw,
+            bw,
+            parts.place_saved_tensor_hooks,
+            num_fwd_outputs=kwargs.get("num_fwd_outputs"),
+            static_input_indices=kwargs.get("static_lifetime_input_indices") or (),
+        )
     for partition_pass in parts.partition_passes:
         fw, bw = partition_pass(fw, bw)
     return fw, bw, placement
