@@ -562,6 +562,50 @@ def test_a_closure_value_the_trace_read_recompiles_once_and_its_return_reuses() 
     assert "traced_value differs" in second and "numel" in second
 
 
+#: The issue's per-step scale: a module global the unpack hook reads.
+STEP_SCALE = 1.0
+
+
+def _unpack_scaled(t: torch.Tensor) -> torch.Tensor:
+    return t * STEP_SCALE
+
+
+def test_a_per_step_global_scale_compiles_once_and_each_step_uses_its_value() -> None:
+    global STEP_SCALE
+    model, x = _mlp(), torch.randn(8, 16)
+    compiled = torch.compile(model, backend="loom", options=OPTS)
+    before = _frames_compiled()
+    for step in range(12):
+        STEP_SCALE = 1.0 + 0.5 * step
+        hooks = (lambda t: t, _unpack_scaled)
+        _assert_same(_train_step(compiled, model, x, hooks), _train_step(model, model, x, hooks))
+    assert _frames_compiled() - before == 1 and len(torchloom.report()) == 1
+    (placed,) = _entries("placed")
+    assert placed.get("packed") and not _entries("eager")
+
+
+def test_closure_floats_and_tensor_scales_made_per_step_compile_once() -> None:
+    # NOTE: delayed scaling: a float and a tensor scale in the closure of hooks made
+    # anew each step; both become graph inputs, read from the step's own closure.
+    def make(scale: float, amax: torch.Tensor) -> tuple[Any, Any]:
+        def pack(t: torch.Tensor) -> Any:
+            return (t.dtype, (t * (scale / amax)).to(torch.bfloat16))
+
+        def unpack(p: Any) -> torch.Tensor:
+            return p[1].to(p[0]) * (amax / scale)
+
+        return pack, unpack
+
+    model, x = _mlp(), torch.randn(8, 16)
+    compiled = torch.compile(model, backend="loom", options=OPTS)
+    before = _frames_compiled()
+    for step in range(5):
+        hooks = make(2.0**step, torch.tensor(float(step + 1)))
+        _assert_same(_train_step(compiled, model, x, hooks), _train_step(model, model, x, hooks))
+    assert _frames_compiled() - before == 1
+    assert len(_entries("placed")) == 1
+
+
 def test_pairs_past_the_variant_limit_share_one_eager_compilation() -> None:
     def make(k: int) -> tuple[Any, Any]:
         def pack(t: torch.Tensor) -> Any:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from loom_hops._hook_graphs import HookEffects, HookGraphs, TracedPack, TracedUnpack
+from loom_hops._hook_graphs import HookEffects, HookGraphs, LiftedInput, TracedPack, TracedUnpack
 from loom_hops._hook_hops import pack_hook_op, unpack_hook_op
 from loom_hops._torch_compat import (
     in_checkpointed_region,
@@ -105,6 +105,10 @@ class Placement:
     #: Side effects of traced unpack hooks, in the backward order of the unpacks;
     #: each is called with the compiled pair.
     unpack_effects: tuple[HookEffects, ...] = ()
+    #: Values the hooks read at each call (a per-step scale): the forward's last
+    #: inputs, in order, which the caller appends (``read(active_pair)``) to the
+    #: forward's arguments; those the unpacks use are saved for the backward.
+    lifted: tuple[LiftedInput, ...] = ()
 
     @property
     def moved(self) -> tuple[str, ...]:
@@ -202,6 +206,7 @@ def _insert_pack(
     saved: torch.fx.Node,
     traced: TracedPack,
     taken: set[str],
+    lifted: list[torch.fx.Node],
 ) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     graph = fw.graph
     anchor = _last_use(graph, saved)
@@ -210,7 +215,7 @@ def _insert_pack(
     with graph.inserting_after(anchor):
         get = graph.get_attr(attr)
     with graph.inserting_after(get):
-        call = graph.call_function(pack_hook_op, (get, saved))
+        call = graph.call_function(pack_hook_op, (get, saved, *lifted))
     call.meta["val"] = traced.example_outputs
     call.meta["loom_pass"] = "place_saved_tensor_hooks"
     leaves: list[torch.fx.Node] = []
@@ -236,6 +241,7 @@ def _insert_unpack(
     unpack_graph: torch.fx.GraphModule,
     leaves: list[torch.fx.Node],
     sym_anchor: list[torch.fx.Node],
+    lifted: list[torch.fx.Node],
 ) -> torch.fx.Node | None:
     graph = bw.graph
     inputs: list[torch.fx.Node] = []
@@ -267,7 +273,7 @@ def _insert_unpack(
     bw.add_submodule(attr, unpack_graph)
     with graph.inserting_before(first):
         get = graph.get_attr(attr)
-        call = graph.call_function(unpack_hook_op, (get, *inputs))
+        call = graph.call_function(unpack_hook_op, (get, *inputs, *lifted))
         out = graph.call_function(operator.getitem, (call, 0))
     call.meta["val"] = (placeholder.meta["val"],)
     out.meta = {**placeholder.meta, "loom_pass": "place_saved_tensor_hooks"}
@@ -377,7 +383,7 @@ def place_saved_tensor_hooks(
         return traced
     plans, kept = traced
     pack_effects = _pack_effects_in_eager_order(forward, plans)
-    packed = _rewrite(forward, backward, layout, plans)
+    packed, lifted = _rewrite(forward, backward, layout, plans)
     unpack_effects = _unpack_effects_in_backward_order(backward, plans, packed)
     placement = Placement(
         forward,
@@ -387,6 +393,7 @@ def place_saved_tensor_hooks(
         tuple(kept),
         pack_effects,
         unpack_effects,
+        lifted,
     )
     placement.check()
     log.debug(
@@ -508,23 +515,94 @@ def _pack_effects_in_eager_order(
     )
 
 
+class _LiftedInputs:
+    """The forward inputs for the hooks' lifted values (one per key, after the
+    forward's own inputs) and, for those an unpack reads, their saved copies in
+    the backward (after the saved tensors, in the same order)."""
+
+    def __init__(
+        self,
+        forward: torch.fx.GraphModule,
+        backward: torch.fx.GraphModule,
+        layout: _SavedLayout,
+        taken: set[str],
+    ) -> None:
+        self.forward, self.backward, self.taken = forward, backward, taken
+        self.inputs: dict[str, tuple[LiftedInput, torch.fx.Node]] = {}
+        self.saved: dict[str, tuple[torch.fx.Node, torch.fx.Node]] = {}
+        placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+        tensors = [layout.backward_inputs[n] for n in layout.saved_tensors]
+        # NOTE: inserted after the last saved tensor's input, before it is replaced.
+        self.bw_anchor = tensors[-1] if tensors else None
+        self.bw_first = placeholders[len(layout.saved_syms)] if placeholders else None
+
+    def forward_inputs(self, lifted: Sequence[LiftedInput]) -> list[torch.fx.Node]:
+        nodes = []
+        for value in lifted:
+            if value.key not in self.inputs:
+                graph = self.forward.graph
+                last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+                with graph.inserting_after(last):
+                    node = graph.placeholder(_unique(self.taken, "loom_lifted"))
+                node.meta["val"] = value.example
+                node.meta["loom_pass"] = "place_saved_tensor_hooks"
+                self.inputs[value.key] = (value, node)
+            nodes.append(self.inputs[value.key][1])
+        return nodes
+
+    def backward_inputs(self, lifted: Sequence[LiftedInput]) -> list[torch.fx.Node]:
+        nodes = []
+        for value, fw_node in zip(lifted, self.forward_inputs(lifted), strict=True):
+            if value.key not in self.saved:
+                graph = self.backward.graph
+                where = (
+                    graph.inserting_after(self.bw_anchor)
+                    if self.bw_anchor is not None
+                    else graph.inserting_before(self.bw_first)
+                )
+                with where:
+                    node = graph.placeholder(fw_node.name)
+                node.meta = dict(fw_node.meta)
+                self.bw_anchor = node
+                self.saved[value.key] = (fw_node, node)
+            nodes.append(self.saved[value.key][1])
+        return nodes
+
+    @property
+    def saved_outputs(self) -> list[torch.fx.Node]:
+        return [fw_node for fw_node, _ in self.saved.values()]
+
+    @property
+    def values(self) -> tuple[LiftedInput, ...]:
+        return tuple(value for value, _ in self.inputs.values())
+
+
 def _rewrite(
     forward: torch.fx.GraphModule,
     backward: torch.fx.GraphModule,
     layout: _SavedLayout,
     plans: list[_Plan],
-) -> list[PackedTensor]:
-    """Insert the pack and unpack calls and re-lay the saved outputs; what was packed."""
+) -> tuple[list[PackedTensor], tuple[LiftedInput, ...]]:
+    """Insert the pack and unpack calls and re-lay the saved outputs; what was packed,
+    and the values the hooks read at each call (the forward's new last inputs)."""
     inner_set = {n for n in layout.inner if isinstance(n, torch.fx.Node)}
     taken = _names(forward.graph, backward.graph)
     replaced: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     packed: list[PackedTensor] = []
     sym_anchor: list[torch.fx.Node] = []
+    lifted = _LiftedInputs(forward, backward, layout, taken)
     for node, traced, unpack in plans:
-        anchor, leaves = _insert_pack(forward, node, traced, taken)
+        anchor, leaves = _insert_pack(
+            forward, node, traced, taken, lifted.forward_inputs(traced.lifted)
+        )
         replaced[node] = leaves
         first_use = _insert_unpack(
-            backward, layout.backward_inputs[node], unpack.graph, leaves, sym_anchor
+            backward,
+            layout.backward_inputs[node],
+            unpack.graph,
+            leaves,
+            sym_anchor,
+            lifted.backward_inputs(unpack.lifted),
         )
         val = node.meta["val"]
         packed.append(
@@ -545,12 +623,13 @@ def _rewrite(
     for node in layout.saved_tensors:
         for leaf in replaced.get(node, [node]):
             (new_syms if is_sym_node(leaf) else new_tensors).append(leaf)
+    new_tensors += lifted.saved_outputs
     layout.output.args = (tuple(layout.inner + new_tensors + new_syms + layout.saved_syms),)
     forward.graph.lint()  # type: ignore[no-untyped-call]
     backward.graph.lint()  # type: ignore[no-untyped-call]
     forward.recompile()
     backward.recompile()
-    return packed
+    return packed, lifted.values
 
 
 def _unpack_effects_in_backward_order(

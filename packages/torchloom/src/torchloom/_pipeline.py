@@ -78,9 +78,11 @@ from torchloom._hooks import (
     hooks_compile_context,
     in_placement_order,
     inline_hook_graphs,
+    lifted_hook_inputs,
     order_tensor_hooks,
     place_hooks,
     prepare_hooks,
+    with_hook_values,
     with_unpack_effects,
     wrap_hooks_runtime,
 )
@@ -571,7 +573,15 @@ class _ColdCompilers:
         return fw, bw
 
     def compile(self, kind: GraphKind, g: GraphModule, inputs: Sequence[Any]) -> Any:
-        """One aten graph: loom's passes, then codegen (Inductor's wrappers around it)."""
+        """One aten graph: loom's passes, then codegen (Inductor's wrappers around it);
+        a forward whose hooks read values at each call takes them as its last inputs."""
+        lifted = lifted_hook_inputs(self.placement, kind)
+        if not lifted:
+            return self._compile(kind, g, inputs)
+        compiled = self._compile(kind, g, [*inputs, *lifted])
+        return with_hook_values(compiled, self.placement, kind)
+
+    def _compile(self, kind: GraphKind, g: GraphModule, inputs: Sequence[Any]) -> Any:
         snapshot = self.snapshot
         g = _graph_passes(self.parts, snapshot, kind, g)
         codegen = snapshot.options.codegen
