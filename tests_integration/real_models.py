@@ -28,6 +28,7 @@ from torch import nn
 
 __all__ = [
     "BERT",
+    "GPT2",
     "LLAMA",
     "MODELS",
     "RESNET",
@@ -40,6 +41,8 @@ __all__ = [
     "Setup",
     "Tolerance",
     "assert_same_steps",
+    "build_gpt2",
+    "build_llama",
     "differential",
     "enable_checkpointing",
     "run_steps",
@@ -105,6 +108,26 @@ def _token_batch(step: int, seq: int, device: torch.device) -> Batch:
 def causal_lm_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     out = model(input_ids=batch["input_ids"], labels=batch["labels"])
     return out.loss, out.logits
+
+
+def build_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4) -> nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return transformers.GPT2LMHeadModel(config)
 
 
 def build_bert() -> nn.Module:
@@ -176,6 +199,8 @@ def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 LLAMA = RealModel("llama", build_llama, _token_batch, causal_lm_loss, _adamw, (16, 12))
+#: Not in MODELS (the hooks and checkpointing tests use it beside Llama).
+GPT2 = RealModel("gpt2", build_gpt2, _token_batch, causal_lm_loss, _adamw, (16, 12))
 BERT = RealModel("bert", build_bert, _padded_batch, classifier_loss, _sgd, (16, 12))
 # NOTE: batch 4 at least: at batch 2 layer4's BatchNorm normalizes two values per
 # channel (1x1 maps) and the training diverges within three steps.

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from real_models import (
+    GPT2,
     LLAMA,
     MODELS,
     RESNET,
@@ -173,6 +174,52 @@ def test_llama_under_lossy_saved_tensor_hooks_with_closures(dtype: torch.dtype) 
     assert counts["loom"][0] == counts["loom"][1] > 0, counts
     placed = [e for e in torchloom.report().entries("hooks") if e.kind == "placed"]
     assert placed, torchloom.report().format()
+
+
+class ScaledHooks:
+    """A pack that stores ``t * 2`` (floating tensors) and an unpack that halves it:
+    exact in floating point, so the compiled step must give eager's gradients bit for bit, and each
+    call is counted."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0]
+        counts = self.counts
+
+        def pack(t: torch.Tensor) -> Any:
+            counts[0] += 1
+            return t * 2 if t.is_floating_point() else t
+
+        def unpack(p: torch.Tensor) -> torch.Tensor:
+            counts[1] += 1
+            return p / 2 if p.is_floating_point() else p
+
+        self.pack, self.unpack = pack, unpack
+
+    def context(self) -> AbstractContextManager[Any]:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _assert_hooks_placed_everywhere() -> None:
+    entries = torchloom.report().entries("hooks")
+    placed = [e for e in entries if e.kind == "placed"]
+    assert placed and not [e for e in entries if e.kind == "refused"], torchloom.report().format()
+    # NOTE: eager checkpointing packs a region's arguments; the parameters its ops
+    # read are read again from the module: loom keeps them as they are.
+    kept = [why for e in placed for _, why in e.get("kept")]
+    assert "parameter read only inside checkpointed regions" in kept
+
+
+@pytest.mark.parametrize("model", _ids((LLAMA, GPT2)))
+def test_checkpointed_decoder_places_saved_tensor_hooks(model: RealModel) -> None:
+    hooks: dict[str, ScaledHooks] = {}
+
+    def setup(label: str) -> Setup:
+        hooks[label] = ScaledHooks()
+        return Setup(prepare=enable_checkpointing, context=hooks[label].context)
+
+    differential(model, setup, LOOM, AOT_EAGER)
+    _assert_hooks_placed_everywhere()
+    assert hooks["loom"].counts[0] == hooks["loom"].counts[1] > 0, hooks["loom"].counts
 
 
 class GradSink:

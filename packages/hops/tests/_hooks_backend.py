@@ -45,7 +45,12 @@ def hooks_backend(
             fw, bw = default_partition(joint, inputs, **kwargs)
             if usable is not None:
                 placement = loom_hops.place_saved_tensor_hooks(
-                    fw, bw, num_fwd_outputs=kwargs["num_fwd_outputs"], hooks=usable, scope=scope
+                    fw,
+                    bw,
+                    num_fwd_outputs=kwargs["num_fwd_outputs"],
+                    hooks=usable,
+                    scope=scope,
+                    static_input_indices=kwargs.get("static_lifetime_input_indices") or (),
                 )
                 log.placements.append(placement)
                 if isinstance(placement, loom_hops.Placement):

@@ -76,12 +76,39 @@ def test_traced_pairs_ignore_closure_values_the_trace_never_read() -> None:
     assert "limit" in found.detail
 
 
-def test_a_closure_value_the_trace_read_differs() -> None:
+def test_a_closure_float_the_graph_reads_is_an_input_and_only_its_type_differs() -> None:
     compiled = _scaled(2.0)
     graphs = _traced(compiled)
-    found = pair_mismatch(compiled, _scaled(3.0), graphs)
+    assert pair_mismatch(compiled, _scaled(3.0), graphs) is None  # a graph input
+    found = pair_mismatch(compiled, _scaled(3), graphs)  # type: ignore[arg-type]
     assert found is not None and found.difference is HookDifference.TRACED_VALUE
-    assert "factor" in found.detail and "2.0" in found.detail
+    assert "factor" in found.detail and "float" in found.detail
+
+
+def test_a_number_the_pack_returns_is_folded_into_the_unpack_and_guarded() -> None:
+    def make(scale: float) -> HookPair:
+        def pack(t: torch.Tensor) -> Any:
+            return (t * scale, scale)
+
+        return HookPair(pack, lambda p: p[0] / p[1])
+
+    compiled = make(2.0)
+    graphs = _traced(compiled)
+    found = pair_mismatch(compiled, make(4.0), graphs)
+    assert found is not None and found.difference is HookDifference.TRACED_VALUE
+    assert "scale" in found.detail and "== 2.0" in found.detail
+
+
+def test_a_closure_value_a_branch_read_differs() -> None:
+    def make(threshold: float) -> HookPair:
+        def pack(t: torch.Tensor) -> Any:
+            return t * 2 if threshold > 1.0 else t * 1
+
+        return HookPair(pack, lambda t: t)
+
+    compiled = make(2.0)
+    graphs = _traced(compiled)
+    assert pair_mismatch(compiled, make(3.0), graphs) is not None  # decided the branch
 
 
 def test_defaults_and_bound_self_are_content() -> None:

@@ -172,7 +172,10 @@ def test_check_catches_misaligned_saved_values() -> None:
     _, _, log = _run(model, x, hm.bf16(), compiled=True, inline=False)
     placement = _placement(log)
     first = next(n for n in placement.backward.graph.nodes if n.op == "placeholder")
-    first.name = "renamed_input"
+    placement.check()
+    first.name = "renamed_input"  # a renamed input with the same metadata still lines up
+    placement.check()
+    first.meta["val"] = torch.empty((), dtype=torch.int64)
     with pytest.raises(AssertionError, match="forward saves"):
         placement.check()
 
@@ -252,3 +255,56 @@ def test_the_placement_says_which_packed_values_moved_device() -> None:
     moved = dataclasses.replace(placement.packed[0], device="cuda:0")
     assert moved.moves_device and not placement.packed[0].moves_device
     assert dataclasses.replace(placement, packed=(moved,)).moved == (moved.name,)
+
+
+# -- activation checkpointing -------------------------------------------------------
+
+
+class _CheckpointedAttention(torch.nn.Module):
+    """``torch.utils.checkpoint`` (non-reentrant) around SDPA, as HF models use it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = torch.nn.Linear(32, 32)
+
+    def attention(self, t: torch.Tensor) -> torch.Tensor:
+        q = self.q(t).view(2, 8, 2, 16).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.utils.checkpoint.checkpoint(self.attention, h, use_reentrant=False)
+        return out  # type: ignore[no-any-return]
+
+
+def test_checkpointed_sdpa_packs_the_region_input_as_eager_does() -> None:
+    # NOTE: the partitioner saves CPU SDPA's RNG state (it is nondeterministic_seeded)
+    # and the backward takes it under another name: saved values match by position.
+    model, x = _CheckpointedAttention(), torch.randn(2, 8, 32)
+    out_e, grads_e, _ = _run(model, x, hm.bf16(), compiled=False)
+    out_c, grads_c, log = _run(model, x, hm.bf16(), compiled=True)
+    placement = _placement(log)
+    assert [p.name for p in placement.packed] == ["primals_1"]  # the region's argument
+    reasons = dict(placement.kept)
+    assert (
+        reasons["primals_2"]
+        == reasons["primals_3"]
+        == ("parameter read only inside checkpointed regions")
+    )
+    assert "RNG state of an op recomputed in backward" in reasons.values()
+    torch.testing.assert_close(out_c, out_e)
+    for gc, ge in zip(grads_c, grads_e, strict=True):
+        torch.testing.assert_close(gc, ge)
+
+
+def test_saved_values_match_backward_inputs_by_position_not_name() -> None:
+    model, x = _CheckpointedAttention(), torch.randn(2, 8, 32)
+    _, _, log = _run(model, x, hm.bf16(), compiled=True, inline=False)
+    placement = _placement(log)
+    saved = list(placement.forward.graph.output_node().args[0])[placement.num_fwd_outputs :]
+    ins = [n for n in placement.backward.graph.nodes if n.op == "placeholder"]
+    renamed = [(f.name, b.name) for f, b in zip(saved, ins, strict=False) if f.name != b.name]
+    assert renamed and all(b.startswith("rng_state_output") for _, b in renamed)
+    assert loom_hops.count_forward_outputs(placement.forward, placement.backward) == (
+        placement.num_fwd_outputs
+    )

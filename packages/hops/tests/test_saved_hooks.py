@@ -55,7 +55,6 @@ def _keeps_the_tensor(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("pack", "kind"),
     [
-        (_reads_a_global_tensor, HopsRefusalKind.HOOK_READS_OUTSIDE_TENSORS),
         (_prints, HopsRefusalKind.HOOK_NOT_TRACEABLE),
         (_keeps_the_tensor, HopsRefusalKind.HOOK_SIDE_EFFECTS_UNSUPPORTED),
     ],
@@ -70,6 +69,21 @@ def test_python_hooks_the_tracer_cannot_place_are_refused_with_where(
     got = graphs.trace_pack(saved)
     assert isinstance(got, loom_hops.Unsupported)
     assert got.kind is kind and "test_saved_hooks.py" in got.where and got.hint
+
+
+def test_a_tensor_a_hook_reads_from_its_globals_is_a_graph_input() -> None:
+    graphs = loom_hops.prepare_saved_tensors_hooks(HookPair(_reads_a_global_tensor, lambda t: t))
+    assert not isinstance(graphs, loom_hops.Unsupported)
+    with FakeTensorMode() as mode:
+        saved = mode.from_tensor(torch.randn(4, 8))
+    got = graphs.trace_pack(saved)
+    assert isinstance(got, loom_hops.TracedPack), got
+    (lifted,) = got.lifted
+    assert "SCALE" in lifted.key and lifted.example.shape == ()
+    placeholders = [n for n in got.graph.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == 2  # the saved tensor and SCALE: no constant baked in
+    pair = HookPair(_reads_a_global_tensor, lambda t: t)
+    assert lifted.read(pair) is SCALE
 
 
 def test_a_custom_tracer_is_asked_for_python_hooks() -> None:

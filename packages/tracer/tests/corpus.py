@@ -132,7 +132,8 @@ def quantize_fp8_by_dtype() -> Setup:
     return Setup(with_globals(_pack_fp8), (t43(),))
 
 
-@case(mutate=set_global("FP8_SCALE", 8.0))
+# NOTE: FP8_SCALE is a graph input (a lifted float): a new float is served, an int is not.
+@case(mutate=set_global("FP8_SCALE", 8))
 def dequantize_fp8() -> Setup:
     packed = (torch.float32, (t43() * 16.0).to(torch.float8_e4m3fn))
     return Setup(with_globals(_unpack_fp8), (packed,))
@@ -294,7 +295,8 @@ def _three_deep() -> Callable[..., Any]:
     return middle()
 
 
-@case(mutate=set_cell(0, 10))
+# NOTE: the ints are graph inputs (lifted numbers): another int is served, a float is not.
+@case(mutate=set_cell(0, 10.5))
 def closures_three_deep() -> Setup:
     return Setup(_three_deep(), (t43(),))
 
@@ -360,7 +362,8 @@ def _loops(t):
     return out
 
 
-@case(mutate=lambda s: s.hook.__globals__["WEIGHTS"].update(b=9.0))
+# NOTE: the weights are graph inputs (lifted floats): a new key is what is watched.
+@case(mutate=lambda s: s.hook.__globals__["WEIGHTS"].update(c=9.0))
 def loops_over_list_tuple_range_dict() -> Setup:
     return Setup(with_globals(_loops, WEIGHTS={"a": 0.5, "b": 2.0}), (t43(),))
 
@@ -512,8 +515,9 @@ def _closure_scale() -> Callable[..., Any]:
     return pack
 
 
-@case(mutate=set_cell(0, 0.5))
-def closure_float_scale_is_guarded() -> Setup:
+# NOTE: a float scale is a graph input (lifted): its type is guarded, not its value.
+@case(mutate=set_cell(0, 1))
+def closure_float_scale_is_a_graph_input() -> Setup:
     return Setup(_closure_scale(), (t43(),))
 
 
@@ -1054,7 +1058,7 @@ def _make_shadowing() -> Callable[..., Any]:
     return hook
 
 
-@case(mutate=set_cell(0, 3))
+@case(mutate=set_cell(0, 3.5))
 def cells_nested_locals_and_cells_shadow_the_outer_cell() -> Setup:
     hook = _make_shadowing()
     return Setup(hook, (t43(),), {"cells": hook.__closure__})
@@ -1075,7 +1079,7 @@ def _make_hook_and_helper_sharing_a_cell() -> Callable[..., Any]:
     return hook
 
 
-@case(mutate=set_cell(1, 10))
+@case(mutate=set_cell(1, 10.5))
 def cells_hook_and_helper_share_a_preexisting_cell() -> Setup:
     hook = _make_hook_and_helper_sharing_a_cell()
     return Setup(hook, (t43(),), {"cells": hook.__closure__})

@@ -6,7 +6,13 @@ backward hooks on intermediate tensors."""
 
 from loom_hops._grad_hook_inline import GradHookInlining, inline_grad_hooks
 from loom_hops._grad_hooks import bound_hook_count, grad_hook, grad_hook_sites
-from loom_hops._hook_graphs import GraphModuleHooks, HookGraphs, PackedLayout, TracedPack
+from loom_hops._hook_graphs import (
+    GraphModuleHooks,
+    HookGraphs,
+    LiftedInput,
+    PackedLayout,
+    TracedPack,
+)
 from loom_hops._hook_hops import PackHookOp, UnpackHookOp, pack_hook_op, unpack_hook_op
 from loom_hops._hook_match import HookDifference, HookMismatch, pair_mismatch
 from loom_hops._hook_pair import HookPair, active_saved_tensors_hooks, fingerprint_hooks
@@ -41,6 +47,7 @@ __all__ = [
     "HookPair",
     "HopsRefusal",
     "HopsRefusalKind",
+    "LiftedInput",
     "PackHookOp",
     "PackScope",
     "PackedLayout",

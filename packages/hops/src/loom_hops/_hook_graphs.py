@@ -28,6 +28,7 @@ from loom_hops._unsupported import HopsRefusalKind, Unsupported
 __all__ = [
     "GraphModuleHooks",
     "HookGraphs",
+    "LiftedInput",
     "PackedLayout",
     "TracedPack",
     "TracedUnpack",
@@ -62,8 +63,21 @@ class PackedLayout:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LiftedInput:
+    """A value a hook reads from outside its arguments at each call, as a graph input:
+    a float or int of its closure, globals or an object (a 0-d tensor), or a tensor
+    there. ``read(pair)`` gives this call's value from the active pair's closure and
+    globals; inputs with the same ``key`` (role, source, dtype, device) are one."""
+
+    key: str
+    example: torch.Tensor  # a fake value, in the saved tensors' fake mode
+    read: Callable[[HookPair], torch.Tensor] = dataclasses.field(compare=False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class TracedPack:
-    """The pack graph for one saved tensor: ``graph(saved) -> flat leaves``, and their layout."""
+    """The pack graph for one saved tensor: ``graph(saved, *lifted) -> flat leaves``,
+    and their layout."""
 
     graph: torch.fx.GraphModule
     layout: PackedLayout
@@ -72,17 +86,22 @@ class TracedPack:
     #: on the state of the pair given (the pair active at that call).
     effects: HookEffects | None = None
     fingerprint: str | None = None
+    #: The graph's inputs after the saved tensor: values read at each call.
+    lifted: tuple[LiftedInput, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TracedUnpack:
-    """The unpack graph for one saved tensor: ``graph(*crossing) -> (tensor,)``."""
+    """The unpack graph for one saved tensor: ``graph(*crossing, *lifted) -> (tensor,)``."""
 
     graph: torch.fx.GraphModule
     #: The hook's side effects for this tensor, replayed after the compiled backward
     #: on the state of the pair given (the compiled pair: a matching pair's unpack
     #: effects mutate the same objects).
     effects: HookEffects | None = None
+    #: The graph's inputs after the packed value: read at the forward, when the pair
+    #: is known, and carried to the backward as saved values.
+    lifted: tuple[LiftedInput, ...] = ()
 
 
 class HookGraphs(Protocol):
@@ -182,19 +201,21 @@ class GraphModuleHooks:
 
 
 def trace_pack_graph(
-    pack: Callable[[torch.Tensor], Any],
+    pack: Callable[..., Any],
     saved: torch.Tensor,
     decompositions: Decompositions | None,
     *,
     where: str | None = None,
+    lifted: Sequence[LiftedInput] = (),
 ) -> TracedPack | Unsupported:
     """Trace ``pack`` once at ``saved``; constants in its result are recorded, not returned.
-    ``where`` names the user's hook in refusals (default: ``pack``'s own name)."""
+    ``where`` names the user's hook in refusals (default: ``pack``'s own name);
+    ``pack(saved, *lifted)`` takes the lifted values as graph inputs."""
     where = where or f"pack hook {_name(pack)}"
     layouts: list[PackedLayout | Unsupported] = []
 
-    def flat_pack(x: torch.Tensor) -> tuple[Any, ...]:
-        result = pack(x)
+    def flat_pack(x: torch.Tensor, *extra: torch.Tensor) -> tuple[Any, ...]:
+        result = pack(x, *extra)
         layout = layout_of(result, where)
         layouts.append(layout)
         if isinstance(layout, Unsupported):
@@ -202,8 +223,9 @@ def trace_pack_graph(
         leaves = pytree.tree_leaves(result)
         return tuple(leaf for leaf, k in zip(leaves, layout.kinds, strict=True) if k != "constant")
 
+    examples = [saved, *(x.example for x in lifted)]
     try:
-        graph = trace_function(flat_pack, [saved], decompositions)
+        graph = trace_function(flat_pack, examples, decompositions)
     except _torch_compat.CONTROL_FLOW_EXCEPTIONS:
         raise
     except Exception as e:
@@ -214,8 +236,8 @@ def trace_pack_graph(
     mode = fake_mode_of([saved])
     ctx = mode if mode is not None else contextlib.nullcontext()
     with ctx, python_dispatcher():
-        outs = tuple(graph(saved))
-    return TracedPack(graph, layout, outs)
+        outs = tuple(graph(*examples))
+    return TracedPack(graph, layout, outs, lifted=tuple(lifted))
 
 
 def rebuild_packed(layout: PackedLayout, crossing: Sequence[Any]) -> Any:
@@ -235,20 +257,25 @@ def trace_unpack_graph(
     decompositions: Decompositions | None,
     *,
     where: str | None = None,
+    lifted: Sequence[LiftedInput] = (),
 ) -> TracedUnpack | Unsupported:
     """Trace ``unpack`` at the pack outputs; check it gives back ``saved``'s dtype/shape/device.
-    ``where`` names the user's hook in refusals (default: ``unpack``'s own name)."""
+    ``where`` names the user's hook in refusals (default: ``unpack``'s own name);
+    ``unpack(packed, *lifted)`` takes the lifted values as graph inputs."""
     where = where or f"unpack hook {_name(unpack)}"
+    num_crossing = len(pack.example_outputs)
 
-    def flat_unpack(*crossing: Any) -> Any:
-        return unpack(rebuild_packed(pack.layout, crossing))
+    def flat_unpack(*inputs: Any) -> Any:
+        crossing, extra = inputs[:num_crossing], inputs[num_crossing:]
+        return unpack(rebuild_packed(pack.layout, crossing), *extra)
 
+    examples = [*pack.example_outputs, *(x.example for x in lifted)]
     try:
-        graph = trace_function(flat_unpack, list(pack.example_outputs), decompositions)
+        graph = trace_function(flat_unpack, examples, decompositions)
         mode = fake_mode_of([saved])
         ctx = mode if mode is not None else contextlib.nullcontext()
         with ctx, python_dispatcher():
-            result = graph(*pack.example_outputs)
+            result = graph(*examples)
     except _torch_compat.CONTROL_FLOW_EXCEPTIONS:
         raise
     except Exception as e:
@@ -278,7 +305,7 @@ def trace_unpack_graph(
             "make unpack restore the saved tensor's dtype, shape and device",
         )
     _flatten_output(graph)
-    return TracedUnpack(graph)
+    return TracedUnpack(graph, lifted=tuple(lifted))
 
 
 def _name(fn: Any) -> str:

@@ -4,10 +4,13 @@ For each tensor the partitioner saves, the pack graph is invoked (as a
 ``loom_saved_tensor_pack`` node) right after the tensor's last forward use and
 its leaves replace the tensor among the forward's saved outputs; the unpack
 graph is invoked (``loom_saved_tensor_unpack``) right before the tensor's first
-backward use, fed by new backward placeholders. Invariant after the pass: the
-forward's saved outputs and the backward's saved inputs have the same names in
-the same order, symbolic sizes after tensors in the forward and before them in
-the backward, as AOTAutograd's runtime expects.
+backward use, fed by new backward placeholders. Saved values are matched to
+backward inputs by position, as AOTAutograd's runtime passes them (the
+partitioner may rename one: the RNG state of a recomputed random op is
+``getitem_N`` in the forward and ``rng_state_output_N`` in the backward).
+Invariant after the pass: the forward's saved outputs and the backward's saved
+inputs line up one to one, with the same metadata, symbolic sizes after tensors
+in the forward and before them in the backward.
 """
 
 from __future__ import annotations
@@ -16,14 +19,20 @@ import dataclasses
 import enum
 import logging
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
-from loom_hops._hook_graphs import HookEffects, HookGraphs, TracedPack, TracedUnpack
+from loom_hops._hook_graphs import HookEffects, HookGraphs, LiftedInput, TracedPack, TracedUnpack
 from loom_hops._hook_hops import pack_hook_op, unpack_hook_op
-from loom_hops._torch_compat import is_sym_node, is_view_op
+from loom_hops._torch_compat import (
+    in_checkpointed_region,
+    is_rng_state_output,
+    is_sym_node,
+    is_view_op,
+)
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
 
 __all__ = [
@@ -96,6 +105,10 @@ class Placement:
     #: Side effects of traced unpack hooks, in the backward order of the unpacks;
     #: each is called with the compiled pair.
     unpack_effects: tuple[HookEffects, ...] = ()
+    #: Values the hooks read at each call (a per-step scale): the forward's last
+    #: inputs, in order, which the caller appends (``read(active_pair)``) to the
+    #: forward's arguments; those the unpacks use are saved for the backward.
+    lifted: tuple[LiftedInput, ...] = ()
 
     @property
     def moved(self) -> tuple[str, ...]:
@@ -113,14 +126,19 @@ class Placement:
         self.forward.graph.lint()  # type: ignore[no-untyped-call]
         self.backward.graph.lint()  # type: ignore[no-untyped-call]
         saved = list(self.forward.graph.output_node().args[0])[self.num_fwd_outputs :]  # type: ignore[arg-type, index]
-        tensors = [n.name for n in saved if not is_sym_node(n)]
-        syms = [n.name for n in saved if is_sym_node(n)]
-        if [n.name for n in saved] != tensors + syms:
+        tensors = [n for n in saved if not is_sym_node(n)]
+        syms = [n for n in saved if is_sym_node(n)]
+        if saved != tensors + syms:
             raise AssertionError("Placement: symbolic sizes must follow tensors in forward outputs")
-        ins = [n.name for n in self.backward.graph.nodes if n.op == "placeholder"]
-        if ins[: len(syms)] != syms or ins[len(syms) : len(syms) + len(tensors)] != tensors:
+        ins = [n for n in self.backward.graph.nodes if n.op == "placeholder"]
+        expected = syms + tensors
+        got = ins[: len(expected)]
+        if len(got) != len(expected) or any(
+            _mismatch(f, b) is not None for f, b in zip(expected, got, strict=True)
+        ):
             raise AssertionError(
-                f"Placement: forward saves {syms + tensors} but backward takes {ins}"
+                f"Placement: forward saves {[n.name for n in expected]} "
+                f"but backward takes {[n.name for n in ins]}"
             )
         for node in (*self.forward.graph.nodes, *self.backward.graph.nodes):
             if node.op == "call_function" and node.target in (pack_hook_op, unpack_hook_op):
@@ -188,6 +206,7 @@ def _insert_pack(
     saved: torch.fx.Node,
     traced: TracedPack,
     taken: set[str],
+    lifted: list[torch.fx.Node],
 ) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     graph = fw.graph
     anchor = _last_use(graph, saved)
@@ -196,7 +215,7 @@ def _insert_pack(
     with graph.inserting_after(anchor):
         get = graph.get_attr(attr)
     with graph.inserting_after(get):
-        call = graph.call_function(pack_hook_op, (get, saved))
+        call = graph.call_function(pack_hook_op, (get, saved, *lifted))
     call.meta["val"] = traced.example_outputs
     call.meta["loom_pass"] = "place_saved_tensor_hooks"
     leaves: list[torch.fx.Node] = []
@@ -222,6 +241,7 @@ def _insert_unpack(
     unpack_graph: torch.fx.GraphModule,
     leaves: list[torch.fx.Node],
     sym_anchor: list[torch.fx.Node],
+    lifted: list[torch.fx.Node],
 ) -> torch.fx.Node | None:
     graph = bw.graph
     inputs: list[torch.fx.Node] = []
@@ -253,7 +273,7 @@ def _insert_unpack(
     bw.add_submodule(attr, unpack_graph)
     with graph.inserting_before(first):
         get = graph.get_attr(attr)
-        call = graph.call_function(unpack_hook_op, (get, *inputs))
+        call = graph.call_function(unpack_hook_op, (get, *inputs, *lifted))
         out = graph.call_function(operator.getitem, (call, 0))
     call.meta["val"] = (placeholder.meta["val"],)
     out.meta = {**placeholder.meta, "loom_pass": "place_saved_tensor_hooks"}
@@ -266,19 +286,47 @@ def _insert_unpack(
 def count_forward_outputs(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> int:
     """How many of the forward's outputs are the user's (the rest are saved for backward).
 
-    The backward's leading placeholders are the saved values, named as the
-    forward nodes they come from; tangents and other inputs follow under
-    other names. A node both returned and saved appears twice among the
-    outputs, so counting the saved block from the end stays exact.
+    The backward's leading placeholders are the saved values; its tangents
+    (``tangents_N``) follow them. A node both returned and saved appears twice
+    among the outputs, so counting the saved block from the end stays exact.
+    Without tangents, the saved block is the leading placeholders named as
+    forward outputs. AOTAutograd passes the exact count to the partition step
+    (``num_fwd_outputs``): prefer it.
     """
     outs = list(forward.graph.output_node().args[0])  # type: ignore[arg-type]
+    ins = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    tangent = next((i for i, n in enumerate(ins) if n.name.startswith("tangents")), None)
+    if tangent is not None:
+        return len(outs) - tangent
     out_names = {n.name for n in outs if isinstance(n, torch.fx.Node)}
     saved = 0
-    for node in backward.graph.nodes:
-        if node.op != "placeholder" or node.name not in out_names:
+    for node in ins:
+        if node.name not in out_names:
             break
         saved += 1
     return len(outs) - saved
+
+
+def _mismatch(saved: torch.fx.Node, given: torch.fx.Node) -> str | None:
+    """Why backward input ``given`` cannot be forward output ``saved`` (``None``: it can).
+
+    The same name is the partitioner's own match; a renamed one must agree in
+    kind (size or tensor), dtype, rank and device.
+    """
+    if saved.name == given.name:
+        return None
+    if is_sym_node(saved) != is_sym_node(given):
+        return f"{saved.name} and {given.name} are not both sizes"
+    want, got = saved.meta.get("val"), given.meta.get("val")
+    if isinstance(want, torch.Tensor) != isinstance(got, torch.Tensor):
+        return f"{saved.name} and {given.name} are not both tensors"
+    if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor):
+        if (want.dtype, want.dim(), want.device) != (got.dtype, got.dim(), got.device):
+            return (
+                f"{saved.name} is {want.dtype}/{want.dim()}d/{want.device}, "
+                f"{given.name} is {got.dtype}/{got.dim()}d/{got.device}"
+            )
+    return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -289,7 +337,8 @@ class _SavedLayout:
     inner: list[Any]
     saved_tensors: list[torch.fx.Node]
     saved_syms: list[torch.fx.Node]
-    backward_inputs: dict[str, torch.fx.Node]
+    #: The backward placeholder of each saved value (sizes and tensors), by position.
+    backward_inputs: dict[torch.fx.Node, torch.fx.Node]
 
 
 #: One saved tensor to pack: the forward node, its pack trace and its unpack trace.
@@ -303,6 +352,7 @@ def place_saved_tensor_hooks(
     num_fwd_outputs: int | None = None,
     hooks: HookGraphs,
     scope: PackScope = PackScope.ALL,
+    static_input_indices: Sequence[int] = (),
 ) -> Placement | Unsupported:
     """Pack each saved tensor after its last forward use, unpack before its first backward use.
 
@@ -311,6 +361,10 @@ def place_saved_tensor_hooks(
     sizes; the backward takes saved sizes, saved tensors, then tangents). Both
     are rewritten in place. On refusal nothing has been changed.
     ``num_fwd_outputs`` defaults to :func:`count_forward_outputs`.
+    ``static_input_indices`` are the forward inputs that are parameters or
+    buffers (the partitioner's ``static_lifetime_input_indices``): one read
+    only by ops of checkpointed regions is not packed, as eager's checkpoint
+    reads it again from the module and never packs it.
 
     >>> placement = place_saved_tensor_hooks(fw, bw, num_fwd_outputs=1,
     ...                                      hooks=GraphModuleHooks(pack_gm, unpack_gm))
@@ -322,12 +376,14 @@ def place_saved_tensor_hooks(
     layout = _read_layout(forward, backward, num_fwd_outputs)
     if isinstance(layout, Unsupported):
         return layout
-    traced = _trace_saved(layout, hooks, scope)
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    params = {placeholders[i] for i in static_input_indices if i < len(placeholders)}
+    traced = _trace_saved(layout, hooks, scope, params)
     if isinstance(traced, Unsupported):
         return traced
     plans, kept = traced
     pack_effects = _pack_effects_in_eager_order(forward, plans)
-    packed = _rewrite(forward, backward, layout, plans)
+    packed, lifted = _rewrite(forward, backward, layout, plans)
     unpack_effects = _unpack_effects_in_backward_order(backward, plans, packed)
     placement = Placement(
         forward,
@@ -337,6 +393,7 @@ def place_saved_tensor_hooks(
         tuple(kept),
         pack_effects,
         unpack_effects,
+        lifted,
     )
     placement.check()
     log.debug(
@@ -351,7 +408,12 @@ def place_saved_tensor_hooks(
 def _read_layout(
     forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, num_fwd_outputs: int
 ) -> _SavedLayout | Unsupported:
-    """The saved values, checked against the backward's leading placeholders."""
+    """The saved values, matched by position to the backward's leading placeholders.
+
+    AOTAutograd hands the backward its saved sizes, then its saved tensors, in
+    the forward's order, whatever the backward calls them; a renamed input
+    must still agree in metadata (:func:`_mismatch`).
+    """
     fw_out = forward.graph.output_node()
     outs: list[Any] = list(fw_out.args[0])  # type: ignore[arg-type]
     inner = outs[:num_fwd_outputs]
@@ -359,20 +421,30 @@ def _read_layout(
     saved_tensors = [n for n in saved if isinstance(n, torch.fx.Node) and not is_sym_node(n)]
     saved_syms = [n for n in saved if is_sym_node(n)]
     bw_inputs = [n for n in backward.graph.nodes if n.op == "placeholder"]
-    expected = [n.name for n in saved_syms + saved_tensors]
-    got = [n.name for n in bw_inputs[: len(expected)]]
-    if got != expected or len(saved_tensors) + len(saved_syms) != len(saved):
+    expected = saved_syms + saved_tensors
+    got = bw_inputs[: len(expected)]
+    why = None
+    if saved != saved_tensors + saved_syms:
+        why = "outputs other than nodes, or sizes before tensors"
+    elif len(got) < len(expected):
+        why = "it has fewer inputs"
+    else:
+        why = next((m for f, b in zip(expected, got, strict=True) if (m := _mismatch(f, b))), None)
+    if why is not None:
         return Unsupported(
             HopsRefusalKind.UNEXPECTED_GRAPH_LAYOUT,
             f"graph {type(forward).__name__}",
-            f"the forward saves {expected} but the backward starts with {got}",
-            "run the placement right after a partitioner that keeps saved names",
+            f"the forward saves {[n.name for n in expected]} but the backward starts with "
+            f"{[n.name for n in got]} ({why})",
+            "run the placement right after the partitioner, with its num_fwd_outputs",
         )
-    return _SavedLayout(fw_out, inner, saved_tensors, saved_syms, {n.name: n for n in bw_inputs})
+    return _SavedLayout(
+        fw_out, inner, saved_tensors, saved_syms, dict(zip(expected, got, strict=True))
+    )
 
 
 def _trace_saved(
-    layout: _SavedLayout, hooks: HookGraphs, scope: PackScope
+    layout: _SavedLayout, hooks: HookGraphs, scope: PackScope, params: set[torch.fx.Node]
 ) -> tuple[list[_Plan], list[tuple[str, str]]] | Unsupported:
     """Trace pack and unpack at each saved tensor in scope; the rest is kept, with why."""
     inner_set = {n for n in layout.inner if isinstance(n, torch.fx.Node)}
@@ -382,6 +454,16 @@ def _trace_saved(
         origin = _origin(node, inner_set)
         if scope is PackScope.ACTIVATIONS and origin is not SavedOrigin.ACTIVATION:
             kept.append((node.name, f"{origin.value} (pack scope is activations)"))
+            continue
+        if node in params and _only_in_checkpointed_regions(node):
+            # NOTE: eager checkpointing saves a region's arguments, not what its ops
+            # save; a parameter the region reads is read again from the module.
+            kept.append((node.name, "parameter read only inside checkpointed regions"))
+            continue
+        if is_rng_state_output(node):
+            # NOTE: eager checkpointing keeps the RNG state of a recomputed op in Python,
+            # outside autograd: no hook sees it.
+            kept.append((node.name, "RNG state of an op recomputed in backward"))
             continue
         if node.meta.get("saved_tensor_with_no_vc_check", False):
             kept.append((node.name, "saved without a version check by an autograd.Function"))
@@ -398,6 +480,12 @@ def _trace_saved(
             return unpack
         plans.append((node, traced, unpack))
     return plans, kept
+
+
+def _only_in_checkpointed_regions(node: torch.fx.Node) -> bool:
+    """Whether every forward op that reads ``node`` belongs to a checkpointed region."""
+    users = [u for u in node.users if u.op != "output"]
+    return bool(users) and all(in_checkpointed_region(u) for u in users)
 
 
 def _pack_effects_in_eager_order(
@@ -427,23 +515,94 @@ def _pack_effects_in_eager_order(
     )
 
 
+class _LiftedInputs:
+    """The forward inputs for the hooks' lifted values (one per key, after the
+    forward's own inputs) and, for those an unpack reads, their saved copies in
+    the backward (after the saved tensors, in the same order)."""
+
+    def __init__(
+        self,
+        forward: torch.fx.GraphModule,
+        backward: torch.fx.GraphModule,
+        layout: _SavedLayout,
+        taken: set[str],
+    ) -> None:
+        self.forward, self.backward, self.taken = forward, backward, taken
+        self.inputs: dict[str, tuple[LiftedInput, torch.fx.Node]] = {}
+        self.saved: dict[str, tuple[torch.fx.Node, torch.fx.Node]] = {}
+        placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+        tensors = [layout.backward_inputs[n] for n in layout.saved_tensors]
+        # NOTE: inserted after the last saved tensor's input, before it is replaced.
+        self.bw_anchor = tensors[-1] if tensors else None
+        self.bw_first = placeholders[len(layout.saved_syms)] if placeholders else None
+
+    def forward_inputs(self, lifted: Sequence[LiftedInput]) -> list[torch.fx.Node]:
+        nodes = []
+        for value in lifted:
+            if value.key not in self.inputs:
+                graph = self.forward.graph
+                last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+                with graph.inserting_after(last):
+                    node = graph.placeholder(_unique(self.taken, "loom_lifted"))
+                node.meta["val"] = value.example
+                node.meta["loom_pass"] = "place_saved_tensor_hooks"
+                self.inputs[value.key] = (value, node)
+            nodes.append(self.inputs[value.key][1])
+        return nodes
+
+    def backward_inputs(self, lifted: Sequence[LiftedInput]) -> list[torch.fx.Node]:
+        nodes = []
+        for value, fw_node in zip(lifted, self.forward_inputs(lifted), strict=True):
+            if value.key not in self.saved:
+                graph = self.backward.graph
+                where = (
+                    graph.inserting_after(self.bw_anchor)
+                    if self.bw_anchor is not None
+                    else graph.inserting_before(self.bw_first)
+                )
+                with where:
+                    node = graph.placeholder(fw_node.name)
+                node.meta = dict(fw_node.meta)
+                self.bw_anchor = node
+                self.saved[value.key] = (fw_node, node)
+            nodes.append(self.saved[value.key][1])
+        return nodes
+
+    @property
+    def saved_outputs(self) -> list[torch.fx.Node]:
+        return [fw_node for fw_node, _ in self.saved.values()]
+
+    @property
+    def values(self) -> tuple[LiftedInput, ...]:
+        return tuple(value for value, _ in self.inputs.values())
+
+
 def _rewrite(
     forward: torch.fx.GraphModule,
     backward: torch.fx.GraphModule,
     layout: _SavedLayout,
     plans: list[_Plan],
-) -> list[PackedTensor]:
-    """Insert the pack and unpack calls and re-lay the saved outputs; what was packed."""
+) -> tuple[list[PackedTensor], tuple[LiftedInput, ...]]:
+    """Insert the pack and unpack calls and re-lay the saved outputs; what was packed,
+    and the values the hooks read at each call (the forward's new last inputs)."""
     inner_set = {n for n in layout.inner if isinstance(n, torch.fx.Node)}
     taken = _names(forward.graph, backward.graph)
     replaced: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     packed: list[PackedTensor] = []
     sym_anchor: list[torch.fx.Node] = []
+    lifted = _LiftedInputs(forward, backward, layout, taken)
     for node, traced, unpack in plans:
-        anchor, leaves = _insert_pack(forward, node, traced, taken)
+        anchor, leaves = _insert_pack(
+            forward, node, traced, taken, lifted.forward_inputs(traced.lifted)
+        )
         replaced[node] = leaves
         first_use = _insert_unpack(
-            backward, layout.backward_inputs[node.name], unpack.graph, leaves, sym_anchor
+            backward,
+            layout.backward_inputs[node],
+            unpack.graph,
+            leaves,
+            sym_anchor,
+            lifted.backward_inputs(unpack.lifted),
         )
         val = node.meta["val"]
         packed.append(
@@ -464,12 +623,13 @@ def _rewrite(
     for node in layout.saved_tensors:
         for leaf in replaced.get(node, [node]):
             (new_syms if is_sym_node(leaf) else new_tensors).append(leaf)
+    new_tensors += lifted.saved_outputs
     layout.output.args = (tuple(layout.inner + new_tensors + new_syms + layout.saved_syms),)
     forward.graph.lint()  # type: ignore[no-untyped-call]
     backward.graph.lint()  # type: ignore[no-untyped-call]
     forward.recompile()
     backward.recompile()
-    return packed
+    return packed, lifted.values
 
 
 def _unpack_effects_in_backward_order(

@@ -6,9 +6,11 @@ shape, stride, device) with ``loom_tracer.trace_hook``; its graph and the
 side-effect-free part of its replay plan (the return value) become the pack
 graph, and its side effects become a replay step run after the compiled
 forward, once per saved tensor, in order. The unpack hook is traced at the
-packed value; its side effects run after the compiled backward. Hooks whose
-side effects would need tensors or symbolic values at replay time, or that
-read tensors from their closure or globals, are refused.
+packed value; its side effects run after the compiled backward. What a hook
+reads from outside its arguments into the graph (a float or int the tracer
+lifted, a tensor of its closure or globals) becomes a graph input
+(``LiftedInput``), read from the active pair at each call. Hooks whose side
+effects would need tensors or symbolic values at replay time are refused.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from loom_hops._hook_graphs import (
     HookEffects,
+    LiftedInput,
     TracedPack,
     TracedUnpack,
     rebuild_packed,
@@ -39,7 +42,19 @@ from loom_hops._hook_match import (
 from loom_hops._hook_pair import HookPair
 from loom_hops._torch_compat import fake_mode_of, pytree
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
-from loom_sidefx import ArgSource, Computed, Op, Original, Ref, ReplayPlan, TensorSlot
+from loom_sidefx import (
+    ArgSource,
+    Computed,
+    Guard,
+    GuardKind,
+    Op,
+    Original,
+    Ref,
+    ReplayPlan,
+    Roots,
+    TensorSlot,
+    is_constant,
+)
 from loom_tracer import HookUnsupported, TracedHook, trace_hook
 
 __all__ = ["TracedPythonHooks", "trace_python_hooks"]
@@ -80,29 +95,90 @@ def _describe_op(op: Op, plan: ReplayPlan) -> str:
     return f"{op.kind.value}{target}"
 
 
+def _folded_numbers(value: Any, plan: ReplayPlan) -> list[Guard]:
+    """Guards for the numbers read from the closure, globals or an object that the
+    hook's return value carries (``return (t * s, s)``): the packed layout folds them
+    into the unpack graph as constants, so they must keep their value."""
+    if isinstance(value, Original):
+        source = value.source
+        if source is None or isinstance(source.root(), ArgSource) or not is_constant(value.obj):
+            return []
+        return [Guard(GuardKind.EQUALS, source, value.obj)]
+    if isinstance(value, Computed):
+        return _folded_numbers(value.lhs, plan) + _folded_numbers(value.rhs, plan)
+    if isinstance(value, tuple):
+        return [g for v in value for g in _folded_numbers(v, plan)]
+    if isinstance(value, Ref):
+        new = next((n for n in plan.new_objects if n.ref == value), None)
+        if new is None:
+            return []
+        parts = (*new.items, *(v for _, v in new.entries), *(v for _, v in new.attrs))
+        return [g for v in (*parts, *new.contents) for g in _folded_numbers(v, plan)]
+    return []
+
+
 @dataclasses.dataclass(frozen=True)
 class _Traced:
     hook: TracedHook
     where: str
+    #: Guards on numbers the return value carries as constants (:func:`_folded_numbers`).
+    folded: tuple[Guard, ...] = ()
+
+    def holds(self, roots: Roots) -> bool:
+        """Whether this trace serves a call with ``roots``: its guards and the folded numbers."""
+        return bool(self.hook.guard_fn(roots)) and all(g.check(roots) for g in self.folded)
+
+    def failed_guard(self, roots: Roots) -> str:
+        failed = (g for g in (*self.hook.guards, *self.folded) if not g.check(roots))
+        return next((g.describe() for g in failed), "guards fail")
 
     @property
     def pure(self) -> ReplayPlan:
         return dataclasses.replace(self.hook.replay, ops=())
 
-    def call_pure(self, *args: Any) -> Any:
-        """The hook's return value, computed by its graph, without its side effects."""
-        outs = self.hook.graph(*self.hook.graph_inputs(*args))
+    def call_pure(self, *args: Any, outside: tuple[Any, ...] = ()) -> Any:
+        """The hook's return value, computed by its graph, without its side effects;
+        ``outside`` gives the values read from outside the arguments (graph inputs)."""
+        outs = self.hook.graph(*self.hook.graph_inputs(*args, outside=outside))
         return self.pure.apply(self.hook.roots(*args), tuple(outs))[0]
 
-    def effects(self, example_args: tuple[Any, ...], role: str) -> HookEffects | None:
+    def lifted(self, role: str, example_args: tuple[Any, ...]) -> tuple[LiftedInput, ...]:
+        """What the graph reads from outside the arguments, as graph inputs: examples
+        in the fake mode of ``example_args``, values read from a pair's hook."""
+        hook = self.hook
+        mode = fake_mode_of(list(pytree.tree_leaves(example_args)))
+        lifted: list[LiftedInput] = []
+        for i in hook.outside_inputs:
+            number = hook.input_numbers[i] if hook.input_numbers else None
+            if number is not None:
+                with mode if mode is not None else contextlib.nullcontext():
+                    example = torch.empty((), dtype=number[0], device=number[1])
+                what = f"number {number[0]} {number[1]}"
+            else:
+                real = hook.read_input(i, hook.roots(*example_args))
+                example = real if mode is None else mode.from_tensor(real, static_shapes=True)
+                what = f"tensor {real.dtype} {tuple(real.shape)} {real.device}"
+
+            def read(pair: HookPair, i: int = i) -> torch.Tensor:
+                return hook.read_input(i, roots_of(_hook(pair, role), ()))
+
+            key = f"{role} {hook.input_sources[i].describe()} {what}"
+            lifted.append(LiftedInput(key, example, read))
+        return tuple(lifted)
+
+    def effects(
+        self, example_args: tuple[Any, ...], role: str, lifted: tuple[LiftedInput, ...] = ()
+    ) -> HookEffects | None:
         plan = self.hook.replay
         if not plan.ops:
             return None
         # NOTE: new objects the return value needs are rebuilt too; they read graph
         # outputs, which are the compile-time fake values here (never escaping).
         mode = fake_mode_of(list(pytree.tree_leaves(example_args)))
+        outside = tuple(x.example for x in lifted)
         with mode if mode is not None else contextlib.nullcontext():
-            fake_outs = tuple(self.hook.graph(*self.hook.graph_inputs(*example_args)))
+            inputs = self.hook.graph_inputs(*example_args, outside=outside)
+            fake_outs = tuple(self.hook.graph(*inputs))
         replay = dataclasses.replace(plan, results=())
 
         def run_effects(pair: HookPair) -> None:
@@ -121,14 +197,6 @@ def _check(traced: TracedHook | HookUnsupported, where: str) -> _Traced | Unsupp
             f"the hook tracer refused it: {traced.kind.value}: {traced.explanation}",
             traced.hint,
         )
-    outside = [s.describe() for s in traced.input_sources if not isinstance(s.root(), ArgSource)]
-    if outside:
-        return Unsupported(
-            HopsRefusalKind.HOOK_READS_OUTSIDE_TENSORS,
-            where,
-            f"the hook reads tensors from {', '.join(outside)}",
-            "pass such tensors through the packed value, or write the hook as a GraphModule",
-        )
     plan = traced.replay
     for op in plan.ops:
         if not all(_replayable(v, plan) for v in (op.target, *op.args)):
@@ -139,7 +207,8 @@ def _check(traced: TracedHook | HookUnsupported, where: str) -> _Traced | Unsupp
                 "from the graph at replay time",
                 "record Python values (sizes of static shapes, dtypes, counts) instead",
             )
-    return _Traced(traced, where)
+    folded = dict.fromkeys(g for v in plan.results for g in _folded_numbers(v, plan))
+    return _Traced(traced, where, tuple(folded))
 
 
 def _meta_key(t: torch.Tensor) -> tuple[str, ...]:
@@ -170,7 +239,7 @@ class TracedPythonHooks:
         self.decompositions = decompositions
         self._packs: dict[tuple[str, ...], _Traced | Unsupported] = {}
         #: (role, guard source) -> one trace with those guards, and its example arguments.
-        self._guards: dict[tuple[str, str], tuple[TracedHook, tuple[Any, ...]]] = {}
+        self._guards: dict[tuple[str, str], tuple[_Traced, tuple[Any, ...]]] = {}
 
     def _where(self, fn: Any) -> str:
         code = getattr(fn, "__code__", None)
@@ -188,7 +257,8 @@ class TracedPythonHooks:
         fn = _hook(self.pair, role)
         checked = _check(trace_hook(fn, args), self._where(fn))
         if isinstance(checked, _Traced):
-            self._guards.setdefault((role, checked.hook.guard_source), (checked.hook, args))
+            key = (role, checked.hook.guard_source + "".join(g.describe() for g in checked.folded))
+            self._guards.setdefault(key, (checked, args))
         return checked
 
     def trace_pack(self, saved: torch.Tensor) -> TracedPack | Unsupported:
@@ -198,26 +268,36 @@ class TracedPythonHooks:
         traced = self._packs[key]
         if isinstance(traced, Unsupported):
             return traced
+        lifted = traced.lifted("pack", (saved,))
+
+        def pack(x: torch.Tensor, *extra: torch.Tensor) -> Any:
+            return traced.call_pure(x, outside=extra)
+
         result = trace_pack_graph(
-            traced.call_pure, saved, self.decompositions, where=self._named("pack")
+            pack, saved, self.decompositions, where=self._named("pack"), lifted=lifted
         )
         if isinstance(result, Unsupported):
             return result
-        return dataclasses.replace(
-            result, effects=traced.effects((saved,), "pack"), fingerprint=traced.hook.fingerprint
-        )
+        effects = traced.effects((saved,), "pack", lifted)
+        return dataclasses.replace(result, effects=effects, fingerprint=traced.hook.fingerprint)
 
     def trace_unpack(self, pack: TracedPack, saved: torch.Tensor) -> TracedUnpack | Unsupported:
         packed = rebuild_packed(pack.layout, pack.example_outputs)
         traced = self._trace("unpack", (packed,))
         if isinstance(traced, Unsupported):
             return traced
+        lifted = traced.lifted("unpack", (packed,))
+
+        def unpack(p: Any, *extra: torch.Tensor) -> Any:
+            return traced.call_pure(p, outside=extra)
+
+        where = self._named("unpack")
         result = trace_unpack_graph(
-            traced.call_pure, pack, saved, self.decompositions, where=self._named("unpack")
+            unpack, pack, saved, self.decompositions, where=where, lifted=lifted
         )
         if isinstance(result, Unsupported):
             return result
-        return dataclasses.replace(result, effects=traced.effects((packed,), "unpack"))
+        return dataclasses.replace(result, effects=traced.effects((packed,), "unpack", lifted))
 
     def mismatch(self, active: HookPair | None) -> HookMismatch | None:
         """Why the traces do not serve ``active``: other code or defaults, a guard of a
@@ -231,12 +311,12 @@ class TracedPythonHooks:
             )
             if found is not None:
                 return found
-        for (role, _), (hook, args) in self._guards.items():
+        for (role, _), (traced, args) in self._guards.items():
             roots = roots_of(_hook(active, role), args)
-            if not hook.guard_fn(roots):
-                failed = next((g.describe() for g in hook.guards if not g.check(roots)), "")
-                return HookMismatch(role, HookDifference.TRACED_VALUE, failed or "guards fail")
-            if role == "unpack" and hook.replay.ops:
+            if not traced.holds(roots):
+                failed = traced.failed_guard(roots)
+                return HookMismatch(role, HookDifference.TRACED_VALUE, failed)
+            if role == "unpack" and traced.hook.replay.ops:
                 # NOTE: unpack effects replay on the compiled pair's state (the backward
                 # cannot tell which forward's pair it serves): it must hold what `active` does.
                 found = function_mismatch(
@@ -252,7 +332,7 @@ class TracedPythonHooks:
 
     def fingerprint(self) -> str | None:
         """Fingerprints of the traces made so far, combined; ``None`` if any is opaque."""
-        hooks = [hook for hook, _ in self._guards.values()]
+        hooks = [traced.hook for traced, _ in self._guards.values()]
         if any(h.opaque for h in hooks):
             return None
         h = hashlib.sha256(b"loom-python-hooks-v1;")

@@ -9,6 +9,7 @@ for ``torch._`` outside this module.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch._C import DispatchKey
 from torch._dynamo.exc import RestartAnalysis, ShortenTraceback, SkipFrame
 from torch._guards import detect_fake_mode
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+from torch._prims.rng_prims import run_and_save_rng_state
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import (
     ProxyTorchDispatchMode,
@@ -27,6 +29,7 @@ from torch.fx.experimental.proxy_tensor import (
     track_tensor_tree,
 )
 from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbolic
+from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
     "CONTROL_FLOW_EXCEPTIONS",
@@ -42,8 +45,10 @@ __all__ = [
     "disable_proxy_modes_tracing",
     "fake_mode_of",
     "free_symbols",
+    "in_checkpointed_region",
     "in_compiled_autograd",
     "install_dynamo_guard",
+    "is_rng_state_output",
     "is_sym_node",
     "is_symbolic",
     "is_torch_op",
@@ -237,3 +242,30 @@ def is_view_op(target: Any) -> bool:
         return False
     schema = target._schema
     return not schema.is_mutable and any(r.alias_info is not None for r in schema.returns)
+
+
+def is_rng_state_output(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is the RNG state a recomputed random op saves for its backward.
+
+    The partitioner (``functionalize_rng_ops``, activation checkpointing of an op
+    tagged ``nondeterministic_seeded`` such as CPU SDPA) wraps the forward op in
+    ``run_and_save_rng_state`` and saves item 0, the generator state, which the
+    backward receives under another name (``rng_state_output_N``).
+    """
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    source, index = node.args[0], node.args[1]
+    return (
+        isinstance(index, int)
+        and index == 0
+        and isinstance(source, torch.fx.Node)
+        and source.op == "call_function"
+        and source.target is run_and_save_rng_state
+    )
+
+
+def in_checkpointed_region(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an op of a checkpointed region (``torch.utils.checkpoint``):
+    AOTAutograd tags each with its policy (``meta["recompute"]``), whether the
+    partitioner then recomputes it or saves it."""
+    return isinstance(node.meta.get("recompute"), CheckpointPolicy)

@@ -37,8 +37,6 @@ class HopsRefusalKind(enum.Enum):
     COMPILED_AUTOGRAD = "compiled_autograd"
     #: A traced Python hook has side effects that cannot be replayed after the graph.
     HOOK_SIDE_EFFECTS_UNSUPPORTED = "hook_side_effects_unsupported"
-    #: A traced Python hook reads tensors from its closure or globals.
-    HOOK_READS_OUTSIDE_TENSORS = "hook_reads_outside_tensors"
 
 
 class Unsupported(Refusal[HopsRefusalKind]):

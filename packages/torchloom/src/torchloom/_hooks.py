@@ -22,6 +22,7 @@ every copy back to the device to the start of the backward.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import types
@@ -264,15 +265,27 @@ def place_hooks(
     fw_gm: GraphModule,
     bw_gm: GraphModule,
     place: Callable[..., loom_hops.Placement | loom_hops.Unsupported],
+    *,
+    num_fwd_outputs: int | None = None,
+    static_input_indices: Sequence[int] = (),
 ) -> HookPlacement:
     """After the partitioner: pack each saved tensor after its last forward use and
     unpack it before its first backward use (``place`` is
-    ``loom_hops.place_saved_tensor_hooks`` unless a test passes another)."""
+    ``loom_hops.place_saved_tensor_hooks`` unless a test passes another;
+    ``num_fwd_outputs`` and ``static_input_indices`` are what AOTAutograd told the
+    partition step)."""
     if plan.graphs is None:
         return HookPlacement()
     record = snapshot.record
     scope = loom_hops.PackScope(snapshot.options.saved_tensor_hooks_scope)
-    placement = place(fw_gm, bw_gm, hooks=plan.graphs, scope=scope)
+    placement = place(
+        fw_gm,
+        bw_gm,
+        num_fwd_outputs=num_fwd_outputs,
+        hooks=plan.graphs,
+        scope=scope,
+        static_input_indices=static_input_indices,
+    )
     if isinstance(placement, loom_hops.Unsupported):
         return HookPlacement(refused=_refuse(snapshot, placement))
     record.add_plan("hooks.placement", placement)
@@ -354,6 +367,43 @@ def with_unpack_effects(
     return compat.mark_boxed(backward_then_unpack_effects)
 
 
+#: The values the hooks read at this call (``Placement.lifted``), for the compiled
+#: forward: set around the call by :func:`wrap_hooks_runtime`.
+_HOOK_VALUES: contextvars.ContextVar[tuple[torch.Tensor, ...]] = contextvars.ContextVar(
+    "loom_hook_values", default=()
+)
+
+
+def lifted_hook_inputs(placed: HookPlacement, kind: GraphKind) -> tuple[Any, ...]:
+    """Example values of the inputs the placement added to the forward (none elsewhere)."""
+    placement = placed.placement
+    if kind is not GraphKind.FORWARD or placement is None:
+        return ()
+    return tuple(value.example for value in placement.lifted)
+
+
+def with_hook_values(fn: Callable[..., Any], placed: HookPlacement, kind: GraphKind) -> Any:
+    """A compiled forward that takes AOTAutograd's arguments and appends the values the
+    hooks read at this call (a per-step scale), its last inputs."""
+    count = len(lifted_hook_inputs(placed, kind))
+    if count == 0:
+        return fn
+    boxed = bool(getattr(fn, "_boxed_call", False))
+
+    def forward_with_hook_values(args: list[Any]) -> Any:
+        values = _HOOK_VALUES.get()
+        if len(values) != count:
+            raise RuntimeError(
+                f"loom: the compiled forward expects {count} hook value(s), got {len(values)}: "
+                "it must run inside the frame's compiled callable"
+            )
+        full = [*args, *values]
+        args.clear()  # the boxed convention: the callee owns (and frees) its inputs
+        return fn(full) if boxed else fn(*full)
+
+    return compat.mark_boxed(forward_with_hook_values)
+
+
 def wrap_hooks_runtime(
     fn: Callable[..., Any], plan: HooksPlan, placed: HookPlacement
 ) -> Callable[..., Any]:
@@ -374,12 +424,18 @@ def wrap_hooks_runtime(
         return fn
     pair, placement = plan.pair, placed.placement
     assert pair is not None
+    lifted = placement.lifted if placement is not None else ()
 
     def run_with_hooks_in_graph(*args: Any) -> Any:
-        # NOTE: the guard let in a pair equal by content: its state gets the effects.
+        # NOTE: the guard let in a pair equal by content: its state gets the effects,
+        # and its closure gives the values the hooks read (a per-step scale).
         active = loom_hops.active_saved_tensors_hooks() or pair
-        with loom_hops.eager_saved_tensors_hooks_disabled():
-            out = fn(*args)
+        token = _HOOK_VALUES.set(tuple(value.read(active) for value in lifted))
+        try:
+            with loom_hops.eager_saved_tensors_hooks_disabled():
+                out = fn(*args)
+        finally:
+            _HOOK_VALUES.reset(token)
         if placement is not None and placement.pack_effects and torch.is_grad_enabled():
             for replay in placement.pack_effects:
                 replay(active)

@@ -88,9 +88,11 @@ from torchloom._hooks import (
     hooks_compile_context,
     in_placement_order,
     inline_hook_graphs,
+    lifted_hook_inputs,
     order_tensor_hooks,
     place_hooks,
     prepare_hooks,
+    with_hook_values,
     with_unpack_effects,
     wrap_hooks_runtime,
 )
@@ -509,7 +511,15 @@ def _partition(
         else:
             fw, bw = compat.eager_partition(joint, joint_inputs, **kwargs)
     with record.timed("hooks.place"):
-        placement = place_hooks(snapshot, prepared.hooks, fw, bw, parts.place_saved_tensor_hooks)
+        placement = place_hooks(
+            snapshot,
+            prepared.hooks,
+            fw,
+            bw,
+            parts.place_saved_tensor_hooks,
+            num_fwd_outputs=kwargs.get("num_fwd_outputs"),
+            static_input_indices=kwargs.get("static_lifetime_input_indices") or (),
+        )
     for partition_pass in parts.partition_passes:
         fw, bw = partition_pass(fw, bw)
     return fw, bw, placement
@@ -603,7 +613,15 @@ class _ColdCompilers:
         return fw, bw
 
     def compile(self, kind: GraphKind, g: GraphModule, inputs: Sequence[Any]) -> Any:
-        """One aten graph: loom's passes, then codegen (Inductor's wrappers around it)."""
+        """One aten graph: loom's passes, then codegen (Inductor's wrappers around it);
+        a forward whose hooks read values at each call takes them as its last inputs."""
+        lifted = lifted_hook_inputs(self.placement, kind)
+        if not lifted:
+            return self._compile(kind, g, inputs)
+        compiled = self._compile(kind, g, [*inputs, *lifted])
+        return with_hook_values(compiled, self.placement, kind)
+
+    def _compile(self, kind: GraphKind, g: GraphModule, inputs: Sequence[Any]) -> Any:
         snapshot = self.snapshot
         g = _graph_passes(self.parts, snapshot, kind, g)
         codegen = snapshot.options.codegen

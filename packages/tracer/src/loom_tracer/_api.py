@@ -81,11 +81,15 @@ def trace_hook(
     guard_fn = compile_guards(guards)
     guard_source = str(guard_fn.__globals__.get("__loom_source__", guard_fn.__doc__))
     input_sources = tuple(source for source, _, _ in ctx.inputs)
-    fingerprint = compute_fingerprint(ctx.codes, guards, input_sources, graph, plan, num_user)
+    input_numbers = tuple(ctx.input_numbers.get(node) for _, node, _ in ctx.inputs)
+    fingerprint = compute_fingerprint(
+        ctx.codes, guards, input_sources, graph, plan, num_user, input_numbers
+    )
     traced = TracedHook(
         fn=fn,
         graph=graph,
         input_sources=input_sources,
+        input_numbers=input_numbers,
         num_user_outputs=num_user,
         replay=plan,
         guards=guards,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -48,6 +48,7 @@ from loom_sidefx import Value as Recorded
 from . import _torch_compat
 from ._effects import PlanRecorder
 from ._kinds import SYMBOLIC_TYPES, is_const, is_symbolic
+from ._lift import NumberInput, lift_numbers
 from ._predicates import EqualTo, TensorMeta
 from ._refusal import Refused, TraceRefusalKind, refuse
 from ._values import (
@@ -173,6 +174,8 @@ class TraceContext:
         self.fake_mode = fake_mode
         self.max_depth = max_depth
         self.inputs: list[tuple[Source, torch.fx.Node, torch.Tensor]] = []
+        #: Inputs that are numbers lifted from pre-existing state (see ``_lift``).
+        self.input_numbers: dict[torch.fx.Node, NumberInput] = {}
         self.guards: dict[Guard, None] = {}
         self.known: dict[int, Value] = {}
         self.keepalive: list[object] = []
@@ -348,7 +351,9 @@ class TraceContext:
                 TraceRefusalKind.UNSUPPORTED_VALUE, "a tensor with no source (a default value?)"
             )
         self.guard(source, GuardKind.PREDICATE, TensorMeta.of(t))
-        fake = _torch_compat.to_fake(self.fake_mode, t)
+        return self._input(source, _torch_compat.to_fake(self.fake_mode, t))
+
+    def _input(self, source: Source, fake: torch.Tensor) -> TensorV:
         first = next((n for n in self.graph.nodes if n.op != "placeholder"), None)
         if first is None:
             node = self.graph.placeholder(f"in{len(self.inputs)}")
@@ -358,6 +363,20 @@ class TraceContext:
         node.meta["val"] = fake
         self.inputs.append((source, node, fake))
         return TensorV(node, fake, source)
+
+    def number_input(self, source: Source, value: int | float, device: torch.device) -> TensorV:
+        """A number at ``source`` as a 0-d tensor input (float64 or int64 on ``device``),
+        one per source, dtype and device; its type is guarded, not its value."""
+        dtype = torch.float64 if isinstance(value, float) else torch.int64
+        for (src, node, fake), spec in ((i, self.input_numbers.get(i[1])) for i in self.inputs):
+            if src == source and spec == (dtype, device):
+                return TensorV(node, fake, source)
+        self.guard(source, GuardKind.TYPE, type(value))
+        with self.fake_mode:
+            fake = torch.empty((), dtype=dtype, device=device)
+        lifted = self._input(source, fake)
+        self.input_numbers[lifted.node] = (dtype, device)
+        return lifted
 
     # -------------------------------------------------------------- containers
     @contextlib.contextmanager
@@ -559,18 +578,24 @@ class TraceContext:
         method: str | None = None,
         opaque: bool = False,
     ) -> Value:
-        """Run ``target`` on fake tensors and record it in the graph."""
+        """Run ``target`` on fake tensors and record it in the graph (numbers read from
+        pre-existing state become graph inputs where the op allows: ``_lift``)."""
+
+        def run_fake(fake_args: Sequence[Any], fake_kwargs: Mapping[str, Any]) -> Any:
+            with self.fake_mode, torch.set_grad_enabled(self.grad_enabled):
+                if method is not None:
+                    return getattr(fake_args[0], method)(*fake_args[1:], **fake_kwargs)
+                return target(*fake_args, **fake_kwargs)
+
+        if not opaque:
+            args, kwargs = lift_numbers(self, run_fake, args, kwargs)
         lowered = [self.lower_arg(a) for a in args]
         lowered_kw = {k: self.lower_arg(v) for k, v in kwargs.items()}
         fake_args = [x[0] for x in lowered]
         fake_kwargs = {k: x[0] for k, x in lowered_kw.items()}
         name = method or getattr(target, "__name__", repr(target))
         try:
-            with self.fake_mode, torch.set_grad_enabled(self.grad_enabled):
-                if method is not None:
-                    out = getattr(fake_args[0], method)(*fake_args[1:], **fake_kwargs)
-                else:
-                    out = target(*fake_args, **fake_kwargs)
+            out = run_fake(fake_args, fake_kwargs)
         except Exception as exc:
             kind_name = type(exc).__name__
             if "DataDependent" in kind_name or "DynamicOutputShape" in kind_name:

@@ -65,6 +65,7 @@ def compute_fingerprint(
     graph: torch.fx.GraphModule,
     plan: ReplayPlan,
     num_user_outputs: int,
+    input_numbers: Sequence[tuple[torch.dtype, torch.device] | None] = (),
 ) -> str:
     h = hashlib.sha256()
 
@@ -85,6 +86,8 @@ def compute_fingerprint(
         add(guard_text(guard))
     for source in inputs:
         add(source.describe())
+    for number in input_numbers:  # a lifted number: its dtype and device
+        add("tensor" if number is None else f"number {number[0]} {number[1]}")
     add(graph_text(graph))
     add(plan.describe())
     add(str(num_user_outputs))

@@ -1,7 +1,9 @@
 """``TracedHook``: the result of tracing a hook, and how to run it.
 
 The graph takes the tensors named by ``input_sources`` (evaluated on the
-hook's call arguments) and returns ``num_user_outputs`` tensors of the hook's
+hook's call arguments; a number lifted from the closure, globals or an object,
+``input_numbers[i]`` not ``None``, is passed as a 0-d tensor of that dtype and
+device) and returns ``num_user_outputs`` tensors of the hook's
 return value followed by the tensors its side effects store (the replay plan's
 ``TensorSlot``s index this whole output tuple). ``replay`` is a
 ``loom_sidefx.ReplayPlan``; ``replay_outputs(outputs, args)`` applies it on
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from loom_sidefx import Guard, ReplayPlan, Roots, Source
+from loom_sidefx import ArgSource, Guard, ReplayPlan, Roots, Source
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,8 @@ class TracedHook:
     guard_fn: Callable[[Roots], bool] = field(repr=False, compare=False)
     guard_source: str = field(repr=False)
     fingerprint: str
+    #: Per input: ``(dtype, device)`` of a number lifted to a 0-d tensor, or ``None``.
+    input_numbers: tuple[tuple[torch.dtype, torch.device] | None, ...] = ()
     opaque_calls: tuple[str, ...] = ()
     torch_graph: torch.fx.GraphModule | None = field(default=None, repr=False, compare=False)
     _input_getters: tuple[Callable[[Roots], Any], ...] = field(
@@ -68,11 +72,34 @@ class TracedHook:
         """Whether this trace is valid for a call ``fn(*args)`` (cheap; run it on every call)."""
         return self.guard_fn(self.roots(*args))
 
-    def graph_inputs(self, *args: Any) -> list[torch.Tensor]:
-        """The graph's inputs for a call ``fn(*args)``."""
-        roots = self.roots(*args)
+    @property
+    def outside_inputs(self) -> tuple[int, ...]:
+        """Indices of the inputs read from outside the call's arguments (the closure,
+        globals or objects): closure tensors and lifted numbers."""
+        return tuple(
+            i for i, s in enumerate(self.input_sources) if not isinstance(s.root(), ArgSource)
+        )
+
+    def read_input(self, index: int, roots: Roots) -> torch.Tensor:
+        """Input ``index`` on ``roots`` (a lifted number as its 0-d tensor)."""
         getters = self._input_getters or tuple(s.compile() for s in self.input_sources)
-        return [get(roots) for get in getters]
+        value = getters[index](roots)
+        number = self.input_numbers[index] if self.input_numbers else None
+        if number is None:
+            return value  # type: ignore[no-any-return]
+        return torch.full((), value, dtype=number[0], device=number[1])
+
+    def graph_inputs(
+        self, *args: Any, outside: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """The graph's inputs for a call ``fn(*args)``; ``outside`` gives the inputs
+        read from outside the arguments (:attr:`outside_inputs`, in order) instead."""
+        roots = self.roots(*args)
+        given = dict(zip(self.outside_inputs, outside, strict=True)) if outside is not None else {}
+        return [
+            given[i] if i in given else self.read_input(i, roots)
+            for i in range(len(self.input_sources))
+        ]
 
     def replay_outputs(self, outputs: Sequence[Any], args: Sequence[Any]) -> Any:
         """Apply the replay plan after the graph ran with ``outputs``; return the hook's result."""
