@@ -291,7 +291,16 @@ def test_checkpointed_sdpa_packs_the_region_input_as_eager_does() -> None:
         == reasons["primals_3"]
         == ("parameter read only inside checkpointed regions")
     )
-    assert "RNG state of an op recomputed in backward" in reasons.values()
+    # torch 2.11 saves CPU SDPA's RNG state for the recomputation (kept unpacked, as
+    # eager never packs it); newer releases save none: either way nothing else is kept
+    rng = "RNG state of an op recomputed in backward"
+    assert set(reasons.values()) <= {rng, "parameter read only inside checkpointed regions"}
+    rng_saved = any(
+        n.name.startswith("rng_state_output")
+        for n in placement.backward.graph.nodes
+        if n.op == "placeholder"
+    )
+    assert (rng in reasons.values()) == rng_saved
     torch.testing.assert_close(out_c, out_e)
     for gc, ge in zip(grads_c, grads_e, strict=True):
         torch.testing.assert_close(gc, ge)
@@ -304,7 +313,9 @@ def test_saved_values_match_backward_inputs_by_position_not_name() -> None:
     saved = list(placement.forward.graph.output_node().args[0])[placement.num_fwd_outputs :]
     ins = [n for n in placement.backward.graph.nodes if n.op == "placeholder"]
     renamed = [(f.name, b.name) for f, b in zip(saved, ins, strict=False) if f.name != b.name]
-    assert renamed and all(b.startswith("rng_state_output") for _, b in renamed)
+    # the only inputs renamed are RNG states (torch 2.11 saves one for CPU SDPA; newer
+    # releases none): the positional match must count the same outputs either way
+    assert all(b.startswith("rng_state_output") for _, b in renamed)
     assert loom_hops.count_forward_outputs(placement.forward, placement.backward) == (
         placement.num_fwd_outputs
     )

@@ -499,7 +499,13 @@ def test_the_issue_checkpointed_sdpa_packs_its_input_and_gives_eager_gradients()
     check_against_eager((bf16_pack, cast_unpack), model=model, x=x)
     (placed,) = _entries("placed")
     assert placed.get("packed") == ("primals_1",)  # what eager packs: the region's argument
-    assert "RNG state of an op recomputed in backward" in dict(placed.get("kept")).values()
+    # kept unpacked, as eager keeps them: the region's parameters, and on torch 2.11 the
+    # RNG state the partitioner saves for CPU SDPA's recomputation (newer releases save none)
+    kept = set(dict(placed.get("kept")).values())
+    assert kept <= {
+        "RNG state of an op recomputed in backward",
+        "parameter read only inside checkpointed regions",
+    }
 
 
 # -- hook pairs guarded by content ----------------------------------------------------
