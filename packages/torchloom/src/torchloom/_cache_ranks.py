@@ -145,7 +145,10 @@ def agree_or_decide_alone(
     global _agreement
     try:
         return agreement.agree(digest, hit)
-    except Exception as err:
+    # NOTE: what a failed collective raises: torch.distributed's errors (DistError and
+    # its kinds are RuntimeErrors, as gloo's timeouts are) and socket errors; anything
+    # else is a bug of loom's and propagates.
+    except (RuntimeError, OSError) as err:
         if _agreement is not None and _agreement[1] is agreement:
             _agreement = (_agreement[0], None)
         log.warning(

@@ -26,6 +26,12 @@ from loom_sidefx import Value as Recorded
 
 from ._values import LazyNum, SymV, TensorV, Value
 
+#: What an op on fake tensors raises when it refuses its arguments (fake-tensor and
+#: data-dependence errors are RuntimeErrors; bad argument types and ranks the rest).
+#: Anything else propagates (the op runs under the trace's fake mode, outside Dynamo's
+#: tracing: none of Dynamo's control-flow signals can come from it).
+FAKE_OP_ERRORS = (RuntimeError, TypeError, ValueError, IndexError)
+
 __all__ = ["LiftContext", "NumberInput", "lift_numbers"]
 
 
@@ -107,7 +113,7 @@ def lift_numbers(
         fake_args = [_peek(ctx, a) for a in args]
         fake_kwargs = {k: _peek(ctx, a) for k, a in kwargs.items()}
         want = run_fake(fake_args, fake_kwargs)
-    except Exception:  # the op fails: the real call refuses it
+    except FAKE_OP_ERRORS:  # the op fails: the real call refuses it
         return args, kwargs
     # NOTE: a Python number never promotes a tensor; a 0-d tensor does when every
     # other operand is 0-d too (``1.0 / amax``): then try the result's own dtype.
@@ -167,7 +173,7 @@ def _same_with(
                 else:
                     trial_kwargs[key] = zero_d
         got = run_fake(trial_args, trial_kwargs)
-    except Exception:
+    except FAKE_OP_ERRORS:  # a 0-d tensor is refused where the number is taken
         return False
     return bool(_meta(got) == _meta(want))
 
