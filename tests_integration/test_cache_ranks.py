@@ -12,13 +12,10 @@ the agreement's logic is unit-tested in ``packages/torchloom/tests/test_cache_ra
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
+from ranks import run_ranks
 
 _WORKER = r"""
 import datetime, json, os, sys, torch, torch.distributed as dist
@@ -92,39 +89,11 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Each rank's cache report entries per compile."""
     root = tmp_path_factory.mktemp("cache-ranks")
     init, fill_init = f"file://{root / 'pg'}", f"file://{root / 'pg-fill'}"
-    procs = []
-    for rank in (0, 1):
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "TORCHLOOM_CACHE_DIR": str(root / f"cache-rank{rank}"),
-        }
-        env.pop("TORCHLOOM_REMOTE_CACHE", None)
-        env.pop("TORCHLOOM_CACHE_AGREE", None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", _WORKER, str(rank), init, fill_init],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-        )
-    out: list[dict[str, Any]] = []
-    errors = []
-    try:
-        for rank, p in enumerate(procs):
-            stdout, stderr = p.communicate(timeout=240)
-            if p.returncode != 0:
-                errors.append(f"rank {rank} (rc {p.returncode}):\n{stderr[-3000:]}")
-                continue
-            out.extend(json.loads(line) for line in stdout.splitlines() if line.startswith("{"))
-        assert not errors, "\n".join(errors)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return out
+    envs = [{"TORCHLOOM_CACHE_DIR": str(root / f"cache-rank{rank}")} for rank in (0, 1)]
+    args = [(str(rank), init, fill_init) for rank in (0, 1)]
+    unset = ("TORCHLOOM_REMOTE_CACHE", "TORCHLOOM_CACHE_AGREE")
+    per_rank = run_ranks(_WORKER, args, envs, timeout=240, unset=unset)
+    return [lines[0] for lines in per_rank]
 
 
 def test_a_graph_cached_on_one_rank_only_is_compiled_on_every_rank(

@@ -12,13 +12,10 @@ unit tests of ``packages/step``.)
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
+from ranks import run_ranks
 
 from loom_step._distributed import DDP_WARMUP
 
@@ -94,34 +91,10 @@ dist.destroy_process_group()
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     """Each scenario's result on rank 0 and rank 1."""
     init = f"file://{tmp_path_factory.mktemp('pg') / 'store'}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WORKER, str(rank), init],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in (0, 1)
-    ]
     out: dict[str, list[dict[str, Any]]] = {}
-    errors = []
-    try:
-        for rank, p in enumerate(procs):
-            stdout, stderr = p.communicate(timeout=300)
-            if p.returncode != 0:
-                errors.append(f"rank {rank} (rc {p.returncode}):\n{stderr[-3000:]}")
-                continue
-            for line in stdout.splitlines():
-                if line.startswith("{"):
-                    result = json.loads(line)
-                    out.setdefault(result["scenario"], []).append(result)
-        assert not errors, "\n".join(errors)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    for lines in run_ranks(_WORKER, [(str(rank), init) for rank in (0, 1)]):
+        for result in lines:
+            out.setdefault(result["scenario"], []).append(result)
     return out
 
 
