@@ -1,6 +1,8 @@
 """The default path's guard: ``backend="loom"`` with no options against ``backend="inductor"``.
 
-One table, on CPU as on GPU, per workload of ``bench_foundation`` (``workloads.py``):
+One table, on CPU as on GPU, per workload of ``bench_foundation`` and ``bench_hf``
+(``workloads.py``: MLP and GPT-stack train and inference; Hugging Face Llama and
+GPT-2 built from configs, a causal-LM training step and a batch-1 forward):
 
 - ``step``: loom / Inductor per step; ``step cg``: loom with CUDA graphs
   (``options={"cudagraphs": True}``) / Inductor ``mode="reduce-overhead"`` (CUDA
@@ -11,8 +13,11 @@ One table, on CPU as on GPU, per workload of ``bench_foundation`` (``workloads.p
 - ``cold first step`` / ``warm first step``: ``torch.compile`` to the end of the
   first step, each in a FRESH process. Each backend has its own cache directories
   (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``, ``TORCHLOOM_CACHE_DIR``):
-  empty for the cold run, then reused by the warm runs, which alternate between
-  the backends. loom's ``import torchloom`` is inside the span (the user pays it).
+  empty for each cold run (``--cold-runs``, 2 by default, the backends
+  alternating), the first cold run's then reused by the warm runs, which
+  alternate between the backends too. loom's ``import torchloom`` is inside the
+  span (the user pays it). The ratio is of the medians, the spread the extreme
+  pairings (fastest loom / slowest Inductor, slowest loom / fastest Inductor).
 
 On CUDA the first-step spans are wall time. On CPU they are the process's CPU
 time, its own and its C++ compilers' (Inductor compiles CPU kernels on threads
@@ -81,13 +86,13 @@ def _cpu_seconds() -> float:
 def _child(backend: str, workload: str, device: str, quick: bool, profile: str) -> None:
     sys.path.insert(0, str(BENCH_DIR))
     import torch
-    from workloads import size_for, step, workloads
+    from workloads import find, step
 
     if device == "cpu":
         torch.set_num_threads(1)
     dev = torch.device(device)
-    work = next(w for w in workloads() if w.name == workload)
-    model, x = work.build(size_for(dev, quick), dev)
+    work = find(workload)
+    model, x = work.make(dev, quick)
     params = list(model.parameters())
     if device == "cpu":
         # Inductor probes the CPU's vector ISAs once per process (a compile of a test
@@ -183,22 +188,27 @@ def first_steps(
     warm_runs: int,
     root: Path,
     profile: Path | None = None,
+    cold_runs: int = 1,
 ) -> dict[str, dict[str, list[FirstStep]]]:
-    """Cold then warm first steps of both backends, each in a fresh process, on
-    ``root/<backend>`` (empty for the cold run).
+    """Cold then warm first steps of both backends, each in a fresh process.
 
-    With ``profile``, the processes run under cProfile and write their top entries
-    there (their times are not comparable)."""
+    Cold run ``i`` compiles on empty caches of its own (``root/<backend>`` for the
+    first, which the warm runs then reuse; ``root/cold<i>/<backend>`` for the
+    others). With ``profile``, the processes run under cProfile and write their
+    top entries there (their times are not comparable)."""
     out: dict[str, dict[str, list[FirstStep]]] = {"cold": {}, "warm": {}}
     backends = ("inductor", "loom")
-    for phase, runs in (("cold", 1), ("warm", warm_runs)):
+    for phase, runs in (("cold", cold_runs), ("warm", warm_runs)):
         for i in range(runs):
             # Alternate which backend goes first, so drift on the machine hits both.
             for backend in backends if i % 2 == 0 else backends[::-1]:
                 prof = ""
                 if profile is not None:
                     prof = str(profile / f"profile_{phase}_{backend}_{workload}.txt")
-                result = _run_child(backend, workload, device, quick, root / backend, prof)
+                caches = (
+                    root / backend if phase == "warm" or i == 0 else root / f"cold{i}" / backend
+                )
+                result = _run_child(backend, workload, device, quick, caches, prof)
                 out[phase].setdefault(backend, []).append(result)
                 print(f"  {workload} {phase} {backend}: {result.seconds:.3f} s", flush=True)
     return out
@@ -255,16 +265,17 @@ def per_step(
 ) -> dict[str, tuple[float, float, float, float, float]]:
     """For each pair: (reference ms, loom ms, ratio median, ratio min, ratio max).
 
-    A variant with a directory in ``caches`` compiles on it (warm, after the first
-    steps), the others on fresh ones."""
+    A variant whose backend has a directory in ``caches`` compiles on it (warm,
+    after the first steps: the CUDA-graph variants reuse their backend's kernels),
+    the others on fresh ones."""
     import torch
-    from workloads import size_for, step, workloads
+    from workloads import find, step
 
     dev = torch.device(device)
     if dev.type == "cpu":
         torch.set_num_threads(1)
-    work = next(w for w in workloads() if w.name == workload)
-    base, x = work.build(size_for(dev, quick), dev)
+    work = find(workload)
+    base, x = work.make(dev, quick)
     runners: dict[str, Callable[[], Any]] = {}
     keep: list[Any] = []
     for pair in pairs:
@@ -282,7 +293,7 @@ def per_step(
                 torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
                 return step(fn, params, x, work.train)
 
-            with _cache_dirs(caches.get(v.name)):
+            with _cache_dirs(caches.get(v.backend)):
                 for _ in range(3):
                     run()
             runners[v.name] = run
@@ -333,6 +344,7 @@ def main() -> int:
         p.add_argument("--workloads", default=None, help="comma-separated subset")
         p.add_argument("--rounds", type=int, default=None, help="interleaved step rounds")
         p.add_argument("--warm-runs", type=int, default=None, help="warm processes per backend")
+        p.add_argument("--cold-runs", type=int, default=None, help="cold processes per backend")
         p.add_argument("--no-first-step", action="store_true", help="per-step ratios only")
         p.add_argument(
             "--profile",
@@ -344,9 +356,9 @@ def main() -> int:
 
     args = parse_args(__doc__.splitlines()[0], configure=configure)
     device, quick = args.device, args.quick
-    from workloads import workloads
+    from workloads import hf_workloads, workloads
 
-    every = [w.name for w in workloads()]
+    every = [w.name for w in workloads() + hf_workloads()]
     if args.workloads:
         names = args.workloads.split(",")
         first_names, step_names = names, names
@@ -365,6 +377,7 @@ def main() -> int:
     rounds = args.rounds or (5 if quick else 7)
     iters = args.iters or (10 if quick else 30)
     warm_runs = args.warm_runs or (2 if quick else 3)
+    cold_runs = args.cold_runs or (1 if quick else 2)
     pairs = ("step", "step cg") if device == "cuda" else ("step",)
 
     rows: list[dict[str, Any]] = []
@@ -391,7 +404,7 @@ def main() -> int:
             root = Path(tmp)
             if name in first_names:
                 print(f"{name}: first steps in fresh processes", flush=True)
-                runs = first_steps(name, device, quick, warm_runs, root)
+                runs = first_steps(name, device, quick, warm_runs, root, cold_runs=cold_runs)
                 for phase in ("cold", "warm"):
                     ind = [r.seconds for r in runs[phase]["inductor"]]
                     loom = [r.seconds for r in runs[phase]["loom"]]
@@ -416,6 +429,8 @@ def main() -> int:
                     add(name, label, ref, loom_ms, ratio=med, spread=f"{lo:.3f}-{hi:.3f}")
                 if device != "cuda":
                     add(name, "step cg", None, None, spread="n/a on cpu")
+        # NOTE: printed per workload, so a run cut short keeps what it measured.
+        print(format_table([r for r in rows if r["workload"] == name]), flush=True)
     print(format_table(rows))
     verdict = "all within bounds" if not failed else "OVER: " + "; ".join(failed)
     print(f"verdict: {verdict}")
@@ -425,7 +440,8 @@ def main() -> int:
             f'`backend="loom"` (no options) / `backend="inductor"`; `step cg`: loom '
             f"`cudagraphs` / Inductor reduce-overhead. Steps: {rounds} interleaved rounds of "
             f"{iters}, ratio = median of per-round ratios, spread = lowest-highest per-round "
-            "ratio. First steps: fresh processes, cold on empty per-backend caches, warm "
+            f"ratio. First steps: fresh processes, cold ({cold_runs} per backend, alternating) "
+            "on empty per-backend caches, warm "
             f"({warm_runs} per backend, alternating) on the caches the cold run filled; "
             f"spread = extreme pairings. {unit}. Verdict: {verdict}."
         )

@@ -68,29 +68,16 @@ from _harness import (
     time_fn,
     time_once,
 )
+from workloads import HF_GPU_SIZE as GPU_SIZE
+from workloads import HF_QUICK_SIZE as QUICK_SIZE
+from workloads import HFSize as Size
+from workloads import build_gpt2, build_llama
 
 # NOTE: the model is built from a config: nothing may be downloaded.
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 ROUNDS = 10
 START = time.perf_counter()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Size:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    batch: int  # training batch
-    seq: int  # training sequence length
-    window: int  # batch-1 forward length
-
-
-GPU_SIZE = Size(4, 512, 8, 4, 1408, 8192, batch=8, seq=256, window=32)
-QUICK_SIZE = Size(2, 64, 4, 2, 128, 128, batch=2, seq=16, window=8)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,45 +99,6 @@ VARIANTS = (
         "loom-cudagraphs", {"backend": "loom", "options": {"cudagraphs": True}}, cuda_only=True
     ),
 )
-
-
-def build_llama(size: Size) -> nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=size.vocab,
-        hidden_size=size.hidden,
-        intermediate_size=size.intermediate,
-        num_hidden_layers=size.layers,
-        num_attention_heads=size.heads,
-        num_key_value_heads=size.kv_heads,
-        max_position_embeddings=max(size.seq, size.window),
-        attention_dropout=0.0,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
-
-
-def build_gpt2(size: Size) -> nn.Module:
-    import transformers
-
-    config = transformers.GPT2Config(
-        vocab_size=size.vocab,
-        n_embd=size.hidden,
-        n_layer=size.layers,
-        n_head=size.heads,
-        n_inner=size.intermediate,
-        n_positions=max(size.seq, size.window),
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
 
 
 MODELS: dict[str, Callable[[Size], nn.Module]] = {"llama": build_llama, "gpt2": build_gpt2}

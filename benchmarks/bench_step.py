@@ -17,7 +17,7 @@ loss, ``backward()``, ``AdamW(capturable=True).step()``; the one-kernel step is
 - ``reduce-overhead``: the model compiled with ``mode="reduce-overhead"``.
 
 Workloads: the MLP and GPT-stack training steps of ``workloads.py``, a Hugging
-Face Llama training step built from a config (``bench_hf.build_llama``,
+Face Llama training step built from a config (``workloads.build_llama``,
 nothing downloaded) and a one-kernel step. Reported: median step times (CUDA
 events), ratios to ``raw-graph`` and ``eager``, memory (below), the largest loss
 difference from eager over the first calls, and capture_step's state. Targets
@@ -120,7 +120,9 @@ def _foundation(name: str) -> Case:
 
 
 def _hf_llama(device: torch.device, quick: bool) -> Setup:
-    from bench_hf import GPU_SIZE, QUICK_SIZE, build_llama
+    from workloads import HF_GPU_SIZE as GPU_SIZE
+    from workloads import HF_QUICK_SIZE as QUICK_SIZE
+    from workloads import build_llama
 
     size = QUICK_SIZE if quick or device.type == "cpu" else GPU_SIZE
     model = build_llama(size).to(device).train()
