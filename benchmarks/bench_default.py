@@ -123,8 +123,17 @@ def _child(backend: str, workload: str, device: str, quick: bool, profile: str) 
     if backend == "loom":
         import torchloom
 
-        kinds = [e.kind for e in torchloom.report().entries("cache")]
+        report = torchloom.report()
+        kinds = [e.kind for e in report.entries("cache")]
         out["cache"] = f"loom {kinds.count('hit')} hit / {kinds.count('miss')} miss"
+        # Where the backend's time went, per stage over the graphs (loom's and PyTorch's).
+        stages: dict[str, float] = {}
+        for graph in report:
+            for st in graph.stages:
+                stages[f"{st.owner}:{st.name}"] = (
+                    stages.get(f"{st.owner}:{st.name}", 0.0) + st.seconds
+                )
+        out["stages"] = {k: round(v, 3) for k, v in sorted(stages.items(), key=lambda kv: -kv[1])}
     else:
         from torch._dynamo.utils import counters
 
@@ -165,7 +174,9 @@ class FirstStep:
 def _run_child(
     backend: str, workload: str, device: str, quick: bool, caches: Path, profile: str
 ) -> FirstStep:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHLOOM_REMOTE_CACHE")}
+    # The default path as a user has it: none of the caller's TORCHLOOM_* settings
+    # (the GPU tier exports TORCHLOOM_CHECKS=1 for its tests).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHLOOM_")}
     env.update(
         TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
         TRITON_CACHE_DIR=str(caches / "triton"),
@@ -178,6 +189,8 @@ def _run_child(
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     res = json.loads(line.removeprefix("RESULT "))
     seconds = res["wall_s"] if device == "cuda" else res["cpu_s"]
+    if res.get("stages") and os.environ.get("BENCH_DEFAULT_STAGES"):
+        print(f"    stages: {json.dumps(res['stages'])}", flush=True)
     return FirstStep(float(seconds), str(res["cache"]))
 
 
