@@ -253,7 +253,17 @@ class DelayedFp8Hooks:
 
 
 @pytest.mark.parametrize(
-    "device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+    "device",
+    [
+        pytest.param("cpu"),
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
 )
 @pytest.mark.parametrize("model", _ids((LLAMA, GPT2)))
 def test_checkpointed_decoder_with_a_per_step_fp8_scale_compiles_once_with_hooks_placed(
