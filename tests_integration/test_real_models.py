@@ -222,6 +222,78 @@ def test_checkpointed_decoder_places_saved_tensor_hooks(model: RealModel) -> Non
     assert hooks["loom"].counts[0] == hooks["loom"].counts[1] > 0, hooks["loom"].counts
 
 
+def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+class DelayedFp8Hooks:
+    """fp8 hooks as delayed scaling uses them: each step makes a new pair over a new
+    closure float ``scale``; floating tensors of at least 1024 elements are stored as
+    ``t * scale`` in fp8, others as they are."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def context(self) -> AbstractContextManager[Any]:
+        scale = 16.0 + 2.0 * self.step
+        self.step += 1
+
+        def pack(t: torch.Tensor) -> Any:
+            if not t.is_floating_point() or t.numel() < 1024:
+                return (None, t)
+            return (t.dtype, (t.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+
+        def unpack(p: Any) -> torch.Tensor:
+            dtype, q = p
+            if dtype is None:
+                return q  # type: ignore[no-any-return]
+            return (q.float() / scale).to(dtype)  # type: ignore[no-any-return]
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu"),
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+@pytest.mark.parametrize("model", _ids((LLAMA, GPT2)))
+def test_checkpointed_decoder_with_a_per_step_fp8_scale_compiles_once_with_hooks_placed(
+    model: RealModel, device: str, request: pytest.FixtureRequest
+) -> None:
+    """``gradient_checkpointing_enable()`` (non-reentrant, SDPA attention) under fp8
+    hooks whose scale changes every step: loom compiles what ``aot_eager`` compiles
+    (once: a recompile would differ), places the hooks in every graph and matches
+    eager step by step. On CUDA with Inductor codegen (fp32: SDPA's efficient kernel)."""
+    if device == "cuda":
+        where = request.getfixturevalue("cuda_without_tf32")
+        loom = Backend("loom", {"backend": "loom", "options": {}})
+    else:
+        where, loom = torch.device("cpu"), LOOM
+
+    def setup(label: str) -> Setup:
+        hooks = DelayedFp8Hooks()
+        return Setup(sizes=(16, 16, 16), prepare=enable_checkpointing, context=hooks.context)
+
+    # NOTE: SGD, not AdamW: AdamW's first update is about lr * sign(grad), so fp8's
+    # rounding flips near-zero gradients into 2 * lr differences of the weights.
+    model = dataclasses.replace(model, optimizer=_sgd)
+    differential(model, setup, loom, AOT_EAGER, where, LOSSY["fp8"])
+    _assert_hooks_placed_everywhere()
+    entries = torchloom.report().entries("hooks")
+    variants = [e.message for e in entries if e.kind == "variant"]
+    assert variants and all("pair #1 of this frame" in m for m in variants), variants
+    assert not [e for e in entries if e.kind == "eager"], torchloom.report().format()
+
+
 class GradSink:
     """Forward hooks that hook the gradient of a module's output, recording its norm."""
 
