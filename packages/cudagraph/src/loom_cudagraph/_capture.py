@@ -281,7 +281,13 @@ class HostCapturer:
         input_memory = {t.untyped_storage().data_ptr() for t in tensors if _strided(t)}
         with _undone(tensors):
             outputs = list(fn(inputs))
-        graph = _HostGraph(fn, kept, outputs, owners)
+        # NOTE: an output over an input's memory (passed through, or a view) is not
+        # the graph's to keep or write: a CUDA graph holds no reference to it either.
+        memory = [
+            None if _strided(o) and o.untyped_storage().data_ptr() in input_memory else o
+            for o in outputs
+        ]
+        graph = _HostGraph(fn, kept, memory, owners)
         handed: list[Any] = []
         for o in outputs:
             if _strided(o) and not o.requires_grad:
