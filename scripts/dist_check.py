@@ -721,17 +721,33 @@ def run_fsdp2_cudagraphs(args: argparse.Namespace, device: torch.device) -> dict
         and cmp["grad_diff"] <= args.tol
         and (captured or collective_named)
     )
-    return {
+    peaks, eager_peaks = _gather(sides["loom"]["peak"]), _gather(sides["eager"]["peak"])
+    ratios = [p / e if e else None for p, e in zip(peaks, eager_peaks, strict=True)]
+    worst = max((r for r in ratios if r is not None), default=None)
+    result = {
         "verdict": "PASS" if ok else "FAIL",
         "captured": captured,
         "collective_named_in_skips": collective_named,
         "eager_losses": sides["eager"]["losses"],
         "losses": sides["loom"]["losses"],
-        "peaks": _gather(sides["loom"]["peak"]),
-        "eager_peaks": _gather(sides["eager"]["peak"]),
+        "peaks": peaks,
+        "eager_peaks": eager_peaks,
+        "peak_ratio": ratios,
+        # the target (memory, so reported beside the verdict, not in it)
+        "targets": {"peak_vs_eager <= 1.1": None if worst is None else worst <= 1.1},
         **cmp,
         **report,
     }
+    if dist.get_rank() == 0:
+        met = result["targets"]["peak_vs_eager <= 1.1"]
+        shown = "/".join(f"{r:.2f}x" if r is not None else "-" for r in ratios)
+        print(
+            f"[fsdp2-cudagraphs] peak vs eager per rank {shown}; targets: peak_vs_eager <= 1.1: "
+            f"{'met' if met else 'missed' if met is not None else '-'}; "
+            f"cudagraph entries {cg}",
+            flush=True,
+        )
+    return result
 
 
 def _raw_ddp_graph(
