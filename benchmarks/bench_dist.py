@@ -31,9 +31,13 @@ forward, backward, ``AdamW(capturable=True)`` step, on a fixed per-rank batch
 Every variant gets its own model copy (same seed), runs ``--warmup`` calls (its
 compile in the first: ``first_call_s``, with loom's cache in a fresh directory and
 Inductor's caches as they are), then ``peak_mib``: ``torch.cuda.max_memory_allocated``
-over ``--mem-steps`` steps above what was allocated before the variant was built
-(its parameters, gradients, optimizer state, graph pools' live tensors), the
-largest over the ranks (``peak_mib_ranks`` lists each). Then every live variant is
+over ``--mem-steps`` steps above what was allocated before the variant was built,
+read after a collection with cuBLAS's cached workspaces dropped (so the peak holds
+the variant's parameters, gradients, optimizer state, graph pools' live tensors and
+the cuBLAS workspaces its own steps create, the same way for every variant: read
+with the workspaces an earlier variant left, a variant that captures CUDA graphs
+cleared them below the baseline and read negative), the largest over the ranks
+(``peak_mib_ranks`` lists each). Then every live variant is
 timed in ``--rounds`` interleaved rounds (the order rotates each round) of
 ``--steps`` steps: a round's step time is its wall time over its steps after a
 barrier, device synchronized, on the slowest rank; ``step_ms`` is the median over
@@ -81,7 +85,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _harness import append_results, format_table, ratio
+from _harness import allocated_baseline, append_results, format_table, ratio
 
 ENGINES = ("ddp", "fsdp2")
 VARIANTS = ("eager", "inductor", "reduce-overhead", "loom", "loom-cg", "capture_step")
@@ -234,8 +238,7 @@ def prepare(
     """Build one variant, run its first calls, measure its peak; a row of what is known."""
     row: dict[str, Any] = {}
     _sync(args)
-    gc.collect()
-    before = torch.cuda.memory_allocated() if args.cuda else 0
+    before = allocated_baseline(device) or 0
     built, error = None, None
     try:
         built = build(engine, variant, args, device)
@@ -266,6 +269,9 @@ def prepare(
     if args.cuda:
         row["peak_mib"] = max(peaks)
         row["peak_mib_ranks"] = "/".join(f"{p:.0f}" for p in peaks)
+        if min(peaks) < 0:  # memory allocated before the build was freed meanwhile
+            negative = "peak below the baseline: not a measurement"
+            row["note"] = f"{row['note']}; {negative}" if row.get("note") else negative
     row["first_call_s"] = max(_gather(row["first_call_s"]))
     return built, row
 
@@ -485,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             f"hidden {s.hidden}, vocab {s.vocab}), batch {s.batch} x seq {s.seq} per GPU, AdamW; "
             f"step_ms: median of {args.rounds} interleaved rounds of {args.steps} steps "
             "(the slowest rank); peak_mib: max_memory_allocated above what was allocated "
-            "before the variant was built, the largest rank."
+            "before the variant was built (cuBLAS workspaces dropped first), the largest rank."
         )
         if args.json:
             Path(args.json).write_text(json.dumps({"notes": notes, "rows": rows}, indent=2))

@@ -73,6 +73,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import sys
@@ -200,6 +201,13 @@ def _steps(
     losses, grads = [], []
     if device.type == "cuda":
         torch.cuda.synchronize()
+        gc.collect()
+        # NOTE: cuBLAS's cached workspaces (tens of MiB on Hopper) count as allocated;
+        # the side run before left them, and a CUDA-graph capture clears them: dropped
+        # here, each side's peak holds the workspaces its own steps create.
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     for x in inputs:
@@ -228,9 +236,9 @@ def _compare(eager: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
     """Largest absolute loss difference, largest absolute and relative L2 gradient error."""
     loss_diff = max(abs(a - b) for a, b in zip(eager["losses"], got["losses"], strict=True))
     grad_diff, rel = 0.0, 0.0
-    for ge, gc in zip(eager["grads"], got["grads"], strict=True):
+    for ge, gl in zip(eager["grads"], got["grads"], strict=True):
         num = den = 0.0
-        for a, b in zip(ge, gc, strict=True):
+        for a, b in zip(ge, gl, strict=True):
             if a.shape != b.shape:
                 return {"loss_diff": loss_diff, "grad_diff": float("inf"), "grad_rel": 1.0}
             if a.numel():
