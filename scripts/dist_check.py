@@ -670,6 +670,15 @@ def run_cache(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         counts = dict(report["entries"].get("cache", {}))
         for kind, n in seq["cache"].items():
             counts[kind] = counts.get(kind, 0) + n
+        # NOTE: every rank says its own counts (under --nnodes each node's log has only
+        # its ranks; scripts/two_node_cache.sh reads these lines from both)
+        print(
+            f"[cache] rank {dist.get_rank()} node {os.environ.get('GROUP_RANK', '0')} "
+            f"local rank {os.environ.get('LOCAL_RANK', '0')}: hit {counts.get('hit', 0)} "
+            f"miss {counts.get('miss', 0)} stored {counts.get('stored', 0)} "
+            f"agreed {counts.get('agreed', 0)}",
+            flush=True,
+        )
         per_rank = _gather(counts)
     cmp = _compare(sides["eager"], sides["loom"])
     hits_ok = all(r.get("hit", 0) > 0 and not r.get("miss", 0) for r in per_rank)
