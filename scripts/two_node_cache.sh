@@ -49,7 +49,9 @@ fail() {
 }
 
 if [ -n "${REDIS_PY_WHEEL:-}" ]; then
-    "$PYTHON" -m pip install --quiet --no-deps --target "$work/pylib" "$REDIS_PY_WHEEL"
+    # NOTE: redis-py is pure Python: where pip is missing, the wheel unzipped is the same
+    "$PYTHON" -m pip install --quiet --no-deps --target "$work/pylib" "$REDIS_PY_WHEEL" \
+        || "$PYTHON" -m zipfile -e "$REDIS_PY_WHEEL" "$work/pylib"
     export PYTHONPATH="$work/pylib${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$PYTHON" -c "import redis" 2>/dev/null \
