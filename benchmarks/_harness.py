@@ -204,11 +204,34 @@ def reserved_memory(device: DeviceLike) -> int | None:
     dev = torch.device(device)
     sync(dev)
     gc.collect()
+    drop_cublas_workspaces()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved(dev))
+
+
+def drop_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached per-stream workspaces (tens of MiB each on Hopper,
+    allocated through the caching allocator, so they count in
+    ``memory_allocated``). A matmul outside a capture re-creates them and a
+    capture (CUDA-graph trees', loom's) clears them: read without dropping them
+    first, a baseline holds whatever the previously run variant left, and a
+    variant that captures can free them below it (a negative peak)."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
-    torch.cuda.empty_cache()
-    return int(torch.cuda.memory_reserved(dev))
+
+
+def allocated_baseline(device: DeviceLike) -> int | None:
+    """CUDA bytes allocated now, after a collection and with cuBLAS's workspaces
+    dropped: the baseline to read a variant's peak against, so the workspaces its
+    own steps create count in its peak whichever variant ran before (``None`` on CPU)."""
+    if not _is_cuda(device):
+        return None
+    dev = torch.device(device)
+    sync(dev)
+    gc.collect()
+    drop_cublas_workspaces()
+    return int(torch.cuda.memory_allocated(dev))
 
 
 @contextlib.contextmanager

@@ -31,9 +31,19 @@ forward, backward, ``AdamW(capturable=True)`` step, on a fixed per-rank batch
 Every variant gets its own model copy (same seed), runs ``--warmup`` calls (its
 compile in the first: ``first_call_s``, with loom's cache in a fresh directory and
 Inductor's caches as they are), then ``peak_mib``: ``torch.cuda.max_memory_allocated``
-over ``--mem-steps`` steps above what was allocated before the variant was built
-(its parameters, gradients, optimizer state, graph pools' live tensors), the
-largest over the ranks (``peak_mib_ranks`` lists each). Then every live variant is
+over ``--mem-steps`` steps above what was allocated before the variant was built,
+read after a collection with cuBLAS's cached workspaces dropped (so the peak holds
+the variant's parameters, gradients, optimizer state, graph pools' live tensors and
+the cuBLAS workspaces its own steps create, the same way for every variant: read
+with the workspaces an earlier variant left, a variant that captures CUDA graphs
+cleared them below the baseline and read negative), the largest over the ranks
+(``peak_mib_ranks`` lists each); and ``peak_reserved_mib``, the same with
+``max_memory_reserved`` above what was reserved then (after ``empty_cache``). A CUDA
+graph's intermediates live in its private pool, which the allocator counts as
+reserved but, after the capture, not as allocated (a replay writes them without
+allocating), so ``peak_mib`` leaves them out for ``reduce-overhead``, ``loom-cg``
+and ``capture_step``; ``peak_reserved_mib`` counts them (and the caching
+allocator's slack, for every variant). Then every live variant is
 timed in ``--rounds`` interleaved rounds (the order rotates each round) of
 ``--steps`` steps: a round's step time is its wall time over its steps after a
 barrier, device synchronized, on the slowest rank; ``step_ms`` is the median over
@@ -81,7 +91,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _harness import append_results, format_table, ratio
+from _harness import allocated_baseline, append_results, format_table, ratio
 
 ENGINES = ("ddp", "fsdp2")
 VARIANTS = ("eager", "inductor", "reduce-overhead", "loom", "loom-cg", "capture_step")
@@ -234,8 +244,10 @@ def prepare(
     """Build one variant, run its first calls, measure its peak; a row of what is known."""
     row: dict[str, Any] = {}
     _sync(args)
-    gc.collect()
-    before = torch.cuda.memory_allocated() if args.cuda else 0
+    before = allocated_baseline(device) or 0
+    if args.cuda:
+        torch.cuda.empty_cache()
+    reserved_before = torch.cuda.memory_reserved() if args.cuda else 0
     built, error = None, None
     try:
         built = build(engine, variant, args, device)
@@ -252,20 +264,27 @@ def prepare(
             built.step(ids)
         _sync(args)
         peak = (torch.cuda.max_memory_allocated() - before) / 2**20 if args.cuda else None
+        reserved = (
+            (torch.cuda.max_memory_reserved() - reserved_before) / 2**20 if args.cuda else None
+        )
         if variant == "capture_step":
             stats = built.step.stats()  # type: ignore[attr-defined]
             row["note"] = f"capture_step {stats.state.value}, {stats.replays} replays"
             if stats.refusal is not None:
                 row["note"] += f"; {str(stats.refusal).splitlines()[0][:160]}"
     except Exception as exc:  # a failing variant is a row, not a lost run
-        error, peak = _short(exc), None
+        error, peak, reserved = _short(exc), None, None
     err = _first_error(_gather(error))
     if err is not None:
         return None, {"error": err}
-    peaks = _gather(peak)
+    peaks, reserved_peaks = _gather(peak), _gather(reserved)
     if args.cuda:
         row["peak_mib"] = max(peaks)
         row["peak_mib_ranks"] = "/".join(f"{p:.0f}" for p in peaks)
+        row["peak_reserved_mib"] = max(reserved_peaks)
+        if min(peaks) < 0:  # memory allocated before the build was freed meanwhile
+            negative = "peak below the baseline: not a measurement"
+            row["note"] = f"{row['note']}; {negative}" if row.get("note") else negative
     row["first_call_s"] = max(_gather(row["first_call_s"]))
     return built, row
 
@@ -346,6 +365,7 @@ def run_engine(
             "vs_reference": _round_ratio(times, failed, variant, ref) if ref != "eager" else None,
             "peak_mib": row.get("peak_mib"),
             "peak_mib_ranks": row.get("peak_mib_ranks"),
+            "peak_reserved_mib": row.get("peak_reserved_mib"),
             "first_call_s": row.get("first_call_s"),
             "first_loss_diff": (
                 abs(row["first_loss"] - eager_loss)
@@ -485,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
             f"hidden {s.hidden}, vocab {s.vocab}), batch {s.batch} x seq {s.seq} per GPU, AdamW; "
             f"step_ms: median of {args.rounds} interleaved rounds of {args.steps} steps "
             "(the slowest rank); peak_mib: max_memory_allocated above what was allocated "
-            "before the variant was built, the largest rank."
+            "before the variant was built (cuBLAS workspaces dropped first), the largest rank; "
+            "peak_reserved_mib: the same with max_memory_reserved (CUDA-graph pools whole)."
         )
         if args.json:
             Path(args.json).write_text(json.dumps({"notes": notes, "rows": rows}, indent=2))

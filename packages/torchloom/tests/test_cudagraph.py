@@ -305,3 +305,88 @@ def test_dynamo_reset_drops_the_captured_graphs(
     assert graph() is None
     assert seg._tables == {}
     assert runtime.stats().segments[0].recordings == 1  # the history stays in the stats
+
+
+class _Gathered(torch.nn.Module):
+    """Eight layers whose weights are "gathered" from a shard (``cos`` marked as a
+    collective stands in for FSDP2's all-gather) before each layer's compute."""
+
+    def __init__(self, layers: int = 8, width: int = 32) -> None:
+        super().__init__()
+        self.shards = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(width, width) / width**0.5) for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for shard in self.shards:
+            x = torch.tanh(x @ shard.cos().T)
+        return x.square().mean()
+
+
+def test_gathered_layers_record_each_segment_once_and_match_eager(
+    host_stage: loom_cudagraph.HostCapturer,
+) -> None:
+    """A forward split at every "all-gather" (AOTAutograd's backward reads the saved
+    weights, one segment): each captured segment records once and replays on every
+    later step (a forward output that the backward's host graph held, or that it
+    passed on, made the forward record again on every step), equal to eager."""
+    loom_cudagraph.mark_non_capturable(
+        torch.ops.aten.cos,
+        "stands in for an all-gather",
+        kind=loom_cudagraph.CudagraphRefusalKind.COLLECTIVE,
+    )
+    try:
+        torch.manual_seed(0)
+        model, ref = _Gathered(), _Gathered()
+        ref.load_state_dict(model.state_dict())
+        compiled = torch.compile(model, backend=_host(host_stage), options=CG)
+        for _ in range(5):
+            x = torch.randn(4, 32)
+            loss, want = compiled(x), ref(x)
+            loss.backward()
+            want.backward()
+            torch.testing.assert_close(loss, want)
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad)
+                p.grad, q.grad = None, None
+            # NOTE: a loss held while the next forward replays blocks every earlier
+            # segment of the pool (double buffering), a matter of its own
+            del loss
+    finally:
+        loom_cudagraph.unmark_non_capturable(torch.ops.aten.cos)
+    entries = torchloom.report().entries("cudagraph")
+    captured = [s for s in _segments(entries) if s[1]]
+    recordings = [e for e in entries if e.kind == "recording"]
+    assert len(captured) == 9  # a segment per layer in the forward, one backward
+    assert len(recordings) == len(captured) == host_stage.captures
+    forward = [r for r in _recordings() if "forward" in r.table.owner.spec.name]
+    forward.sort(key=lambda r: int(r.table.owner.spec.name.rsplit("_", 1)[1]))
+    assert len(forward) == 8
+    # layers 1-7 save a view of their gathered weight (``w.T``) for the backward, so
+    # each keeps its weight's buffer of its own (a shared one would be overwritten
+    # under the saved view); layer 0 saves none (its input needs no gradient) and
+    # reads its weight from a buffer of the pool's arena
+    weight = [
+        next(i for i, b in zip(r.copy_idx, r.bufs, strict=True) if b.shape == (32, 32))
+        for r in forward
+    ]
+    lent = [
+        any(b.untyped_storage()._cdata in r.lent for b in r.bufs if b.shape == (32, 32))
+        for r in forward
+    ]
+    assert lent == [True] + [False] * 7
+    aliased = [w in r.table.aliased for w, r in zip(weight, forward, strict=True)]
+    assert aliased == [False] + [True] * 7
+
+
+def _recordings() -> list[Any]:
+    from loom_cudagraph._segment import CapturedSegment
+
+    return [
+        r
+        for run in loom_cudagraph.CudagraphRuntime._live
+        for s in run._stats
+        if isinstance(s, CapturedSegment)
+        for t in s._tables.values()
+        for r in t.recordings
+    ]

@@ -269,19 +269,30 @@ class HostCapturer:
         owners: list[_HostGraph] = []
         kept: list[Any] = []
         for v in inputs:
-            owner = self._owners.get(v.untyped_storage().data_ptr()) if _strided(v) else None
+            if not _strided(v) or v.untyped_storage().data_ptr() == 0:
+                kept.append(v)
+                continue
+            owner = self._owners.get(v.untyped_storage().data_ptr())
             if owner is not None:
                 # an earlier graph's output: view it (it may die, the memory stays)
                 owners.append(owner)
-                kept.append(non_owning_alias(v))
-            else:
-                kept.append(v)
+            # NOTE: as a CUDA graph, read the inputs' memory without owning it: a
+            # replay comes only with a live tensor at each address the runtime reads
+            # in place, and its own buffers hold the rest. Held here, an earlier
+            # recording's output read in place would count as held for good.
+            kept.append(non_owning_alias(v))
         del v  # NOTE: the list is the capture's: hold no input past its last use
         tensors = [t for t in kept if isinstance(t, torch.Tensor)]
         input_memory = {t.untyped_storage().data_ptr() for t in tensors if _strided(t)}
         with _undone(tensors):
             outputs = list(fn(inputs))
-        graph = _HostGraph(fn, kept, outputs, owners)
+        # NOTE: an output over an input's memory (passed through, or a view) is not
+        # the graph's to keep or write: a CUDA graph holds no reference to it either.
+        memory = [
+            None if _strided(o) and o.untyped_storage().data_ptr() in input_memory else o
+            for o in outputs
+        ]
+        graph = _HostGraph(fn, kept, memory, owners)
         handed: list[Any] = []
         for o in outputs:
             if _strided(o) and not o.requires_grad:

@@ -35,6 +35,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from loom_cudagraph._arena import CopyArena
 from loom_cudagraph._torch_compat import StorageWeakRef, storage_use_count
 
 __all__ = ["MemoryPool", "Reuse", "Watch", "adopt_if_held", "prune_adopted"]
@@ -138,7 +139,8 @@ class MemoryPool:
     """A CUDA memory pool plus the recordings captured into it, in capture order.
 
     ``handle`` is the pool token passed to ``torch.cuda.graph(pool=...)``;
-    ``use_count`` reads a storage's use count (injectable for tests).
+    ``use_count`` reads a storage's use count (injectable for tests). ``arena``
+    holds the copy-in buffers its recordings share (see ``_arena``).
     """
 
     _ids = itertools.count()
@@ -154,6 +156,7 @@ class MemoryPool:
         self.version = 0
         self._order = itertools.count()
         self._use_count = use_count
+        self.arena = CopyArena()
 
     def add(self, rec: PooledRecording) -> None:
         rec.order = next(self._order)

@@ -394,4 +394,5 @@ def _segment_spec(
         dynamic=plan.dynamic,
         options=plan.options,
         nodes=len(seg.nodes),
+        passthrough=tuple((seg.outputs.index(n), seg.inputs.index(n)) for n in seg.passthrough),
     )

@@ -4,8 +4,10 @@ Per distinct input shape (one key for static graphs) a segment keeps up to
 ``max_recording`` recordings, dispatched by the addresses of the inputs used
 in place (parameters, buffers, outputs of other loom CUDA graphs, and inputs
 that kept their address from the warm-up to the recording). Other tensor
-inputs are copied into static buffers; once an input used in place only for
-its stable address moves, that shape copies such inputs from then on. Which
+inputs are copied into static buffers, shared by the recordings of one pool
+(``_arena``) except where an output views the input; once an input used in
+place only for its stable address moves, that shape copies such inputs from
+then on. Which
 inputs are used in place, copied, or copied back after a mutation is decided
 once, when a recording is made, together with the callables the per-call path
 runs: one pointer check in C++ (only when some input is used in place), the
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from loom_cudagraph._arena import own_buffer
 from loom_cudagraph._capture import Capturer
 from loom_cudagraph._options import CudagraphOptions
 from loom_cudagraph._pool import MemoryPool, Reuse, Watch, adopt_if_held, prune_adopted
@@ -116,6 +119,8 @@ class SegmentSpec:
     dynamic: bool
     options: CudagraphOptions
     nodes: int = 0
+    #: (output position, input position) of each input returned unchanged
+    passthrough: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -156,6 +161,7 @@ class _Recording:
         "copyback_idx",
         "graph",
         "inplace_idx",
+        "lent",
         "managed",
         "order",
         "outputs",
@@ -166,6 +172,7 @@ class _Recording:
         "reuse",
         "stable_idx",
         "table",
+        "through",
         "watch",
     )
 
@@ -180,9 +187,14 @@ class _Recording:
         self.ptrs: list[int | None] = []
         self.copy_idx: list[int] = []
         self.bufs: list[torch.Tensor] = []
+        #: storages of ``bufs`` shared with other recordings of the pool
+        self.lent: frozenset[int] = frozenset()
         self.copyback_idx: list[int] = []
         self.copyback_bufs: list[torch.Tensor] = []
         self.outputs: list[Any] = []
+        #: (output, input) positions of in-place inputs passed through: the call's own
+        #: input is handed out (the recording keeps no reference to it)
+        self.through: tuple[tuple[int, int], ...] = ()
         self.alias_idx: tuple[int, ...] = ()
         self.clone_idx: tuple[int, ...] = ()
         self.watch: list[Watch] = []
@@ -230,6 +242,7 @@ class _Table:
     """The recordings of one segment for one input-shape key."""
 
     __slots__ = (
+        "aliased",
         "buffers",
         "copy_out",
         "exhausted",
@@ -260,6 +273,9 @@ class _Table:
         self.warm_storages: list[tuple[int, StorageWeakRef] | None] = []
         #: an input used in place for its stable address moved: copy such inputs
         self.unstable = False
+        #: input positions some output of the warm-up call viewed: if copied, each
+        #: gets a buffer of its own (a shared one would be overwritten under the output)
+        self.aliased: frozenset[int] = frozenset()
 
     def find(self, inputs: list[Any]) -> _Recording | None:
         for rec in self.recordings:
@@ -348,25 +364,26 @@ class CapturedSegment:
         if rec.copy_back is not None:
             rec.copy_back(inputs)
         self.replays += 1
-        inputs.clear()
         outs = rec.outputs.copy()
+        for p, i in rec.through:
+            outs[p] = inputs[i]
+        inputs.clear()
         for p in rec.alias_idx:
             outs[p] = outs[p].detach()
         for p in rec.clone_idx:
             outs[p] = outs[p].clone()
         return outs
 
-    def _dispatch(self, inputs: list[Any]) -> _Recording | list[Any] | None:
+    def _dispatch(self, inputs: list[Any]) -> _Recording | Sequence[Any] | None:
         """The recording to replay for ``inputs``; or the outputs of this call when
-        it made a new recording (and replayed it); ``None`` runs the call
-        uncaptured (a warm-up, or a skip)."""
+        it made a new recording (and replayed it) or was a shape's warm-up; ``None``
+        runs the call uncaptured (a skip)."""
         if self._off is not None:
             return None
         key = self._key(inputs) if self._dynamic else None
         table = self._tables.get(key)
         if table is None:
-            self._new_shape(key, inputs)
-            return None
+            return self._new_shape(key, inputs)
         rec = table.last
         if rec is None or (
             rec.inplace_idx and not data_ptrs_at_indices_equal(inputs, rec.ptrs, rec.inplace_idx)
@@ -386,7 +403,7 @@ class CapturedSegment:
 
     def _unblocked(
         self, table: _Table, rec: _Recording, inputs: list[Any]
-    ) -> _Recording | list[Any] | None:
+    ) -> _Recording | Sequence[Any] | None:
         """A recording for these addresses that may replay now: a sibling, a new
         second buffer, or (both busy) a fresh one that copies held outputs out."""
         siblings = [
@@ -416,9 +433,9 @@ class CapturedSegment:
 
     # --- slow paths ------------------------------------------------------------------------
 
-    def _new_shape(self, key: Any, inputs: list[Any]) -> None:
-        """Register a new shape key (this call is its warm-up), or warn once that
-        the shape budget is spent; either way the call runs uncaptured."""
+    def _new_shape(self, key: Any, inputs: list[Any]) -> Sequence[Any] | None:
+        """Register a new shape key and run this call as its warm-up (its outputs),
+        or warn once that the shape budget is spent (``None``: run uncaptured)."""
         if len(self._tables) >= max(1, self.spec.options.max_shapes):
             if not self._shapes_warned:
                 self._shapes_warned = True
@@ -429,7 +446,7 @@ class CapturedSegment:
                     f"{self.spec.options.max_shapes}, so new shapes run uncaptured",
                     "pad inputs to a few fixed sizes or raise cudagraph_max_shapes",
                 )
-            return
+            return None
         # NOTE: the warm-up is the user's call itself, run uncaptured (it draws
         # the same random numbers as uncaptured compiled code would).
         self._tables[key] = table = _Table(self)
@@ -441,10 +458,14 @@ class CapturedSegment:
             (storage_id(v), storage_weak_ref(v)) if s else None
             for v, s in zip(inputs, strided, strict=True)
         ]
+        self.uncaptured_calls += 1
+        outs = self.fn(inputs)
+        table.aliased = _aliased_inputs(table.warm_storages, outs)
+        return outs
 
     def _record(
         self, table: _Table, inputs: list[Any], alternate: bool = False
-    ) -> list[Any] | None:
+    ) -> Sequence[Any] | None:
         """Record a new CUDA graph for ``inputs`` and replay it: this call's outputs
         (the tensors the capture allocated), or ``None`` to run the call uncaptured
         (budget spent; ``inputs`` untouched). The capture takes ``inputs`` over, so
@@ -568,12 +589,15 @@ class CapturedSegment:
         rec.ptrs = [None] * len(inputs)
         for i in rec.inplace_idx:
             rec.ptrs[i] = inputs[i].data_ptr()
-        rec.bufs = [
-            torch.empty_strided(
-                inputs[i].size(), inputs[i].stride(), dtype=inputs[i].dtype, device=inputs[i].device
-            )
-            for i in copy_idx
-        ]
+        # NOTE: the copy-in buffers of one pool's recordings are shared (their
+        # replays run in program order on one stream, each after its own copy in),
+        # alternate recordings in pools of their own included; an input that an
+        # output views gets a buffer of its own.
+        arena = (self.shared_pool or rec.pool).arena
+        shared = [i for i in copy_idx if i not in rec.table.aliased]
+        lent = dict(zip(shared, arena.lend([inputs[i] for i in shared]), strict=True))
+        rec.bufs = [lent[i] if i in lent else own_buffer(inputs[i]) for i in copy_idx]
+        rec.lent = frozenset(storage_id(b) for b in lent.values())
         if copy_idx:
             foreach_copy_(rec.bufs, [inputs[i] for i in copy_idx])
         mutated = self.spec.mutated_positions
@@ -604,18 +628,39 @@ class CapturedSegment:
         try:
             rec.graph, originals = self.capturer.capture(self.fn, cap_inputs, rec.pool.handle)
         except Exception as exc:
-            rec.graph = None
-            self._hot = None
-            self._off = self._skip(
-                CudagraphRefusalKind.CAPTURE_FAILED,
+            return self._turn_off(
+                rec,
+                fallback,
                 f"capture raised {type(exc).__name__}: {exc}",
                 "report the op; mark it with loom_cudagraph.mark_non_capturable meanwhile",
             )
-            self.uncaptured_calls += 1
-            return list(self.fn(fallback))
-        del cap_inputs, fallback
+        del cap_inputs
+        if rec.lent and any(_storage(o) in rec.lent for o in originals):
+            # NOTE: never expected (the warm-up call's outputs viewed no such input):
+            # a later recording of the pool would overwrite this output while it lives.
+            del originals
+            return self._turn_off(
+                rec,
+                fallback,
+                "an output of the capture views a copy-in buffer shared with other "
+                "recordings of its pool, though the warm-up call's outputs viewed none of "
+                "its inputs",
+                "report it, with the segment's code (TORCH_LOGS=output_code)",
+            )
+        del fallback
         self.pool_bytes += self.capturer.pool_bytes(before)
         return originals
+
+    def _turn_off(
+        self, rec: _Recording, fallback: list[Any], explanation: str, hint: str
+    ) -> list[Any]:
+        """The capture into ``rec`` is unusable: the segment is off for good and this
+        call runs uncaptured on ``fallback`` (its inputs)."""
+        rec.graph = None
+        self._hot = None
+        self._off = self._skip(CudagraphRefusalKind.CAPTURE_FAILED, explanation, hint)
+        self.uncaptured_calls += 1
+        return list(self.fn(fallback))
 
     def _install(
         self,
@@ -636,6 +681,7 @@ class CapturedSegment:
         # recording goes while an output it handed out is held, keep the graph.
         weakref.finalize(rec, adopt_if_held, rec.graph, rec.watch)
         rec.reuse = pool.reusable(views)
+        _hand_out_aliases(pool, rec.reuse)
         pool.add(rec)
         table.recordings.append(rec)
         table.last = rec
@@ -661,6 +707,12 @@ class CapturedSegment:
                 if cdata not in in_place:
                     groups.setdefault(cdata, []).append(p)
         outs = list(originals)
+        # NOTE: an in-place input passed through is handed out from the call's own
+        # inputs: kept here, a forward's output read in place by a backward would
+        # stay alive, and the forward's recording would count it as held for good.
+        rec.through = tuple((p, i) for p, i in self.spec.passthrough if i in rec.inplace_idx)
+        for p, _ in rec.through:
+            outs[p] = None
         twins: dict[int, torch.UntypedStorage] = {}
         twinned: set[int] = set()
         # NOTE: an output that is a static input buffer (a passthrough) is that
@@ -789,10 +841,44 @@ class CapturedSegment:
         )
 
 
+def _hand_out_aliases(pool: MemoryPool, reuse: list[Reuse]) -> None:
+    """Earlier recordings hand out a fresh alias of each output that a new recording
+    consumes and reuses the memory of, from now on.
+
+    The new recording replays only while such an output is held by its argument
+    list alone (one reference, one use of the storage above the baseline); the
+    twin object itself, which an intermediate output is handed out as, is held
+    by its recording too, so every replay would count as held."""
+    for w, positions in reuse:
+        if not positions:
+            continue
+        for q in pool.recordings:
+            if isinstance(q, _Recording) and w in q.watch:
+                q.alias_idx = tuple(sorted({*q.alias_idx, *w.positions} - set(q.clone_idx)))
+
+
 def _usable(rec: _Recording, inputs: list[Any]) -> bool:
     """Whether ``rec`` may replay for ``inputs`` (see ``MemoryPool``)."""
     pool = rec.pool
     return not pool.blocked(rec) and (not rec.reuse or pool.reuse_free(rec.reuse, inputs))
+
+
+def _storage(v: Any) -> int | None:
+    """``storage_id`` of a strided tensor with memory, else ``None``."""
+    if isinstance(v, torch.Tensor) and v.layout == torch.strided and v.device.type != "meta":
+        return storage_id(v)
+    return None
+
+
+def _aliased_inputs(
+    warm: Sequence[tuple[int, StorageWeakRef] | None], outs: Sequence[Any]
+) -> frozenset[int]:
+    """The input positions whose storage an output shares (a view or the input itself).
+
+    ``warm`` holds the inputs' storages weakly, which keeps their addresses from
+    going to a tensor the call made after freeing an input."""
+    storages = {_storage(o) for o in outs}
+    return frozenset(i for i, w in enumerate(warm) if w is not None and w[0] in storages)
 
 
 def _same_storage(warm: tuple[int, StorageWeakRef] | None, v: torch.Tensor) -> bool:
