@@ -122,9 +122,10 @@ def newest(session: nox.Session) -> None:
     The rest of the integration tier (real models, cross-process cache and fleet
     tests, two-rank runs) runs on the locked torch's ``integration`` session only:
     each costs fresh processes or a CPU Inductor compile, and CI's whole run must
-    stay under 30 minutes. The unit tests cover every compat module on this release
-    (less the two ``fresh_processes`` ones: the demo and a cross-process Inductor reload,
-    minutes of CPU Inductor compiles in child processes).
+    stay under 30 minutes. The unit tests cover every compat module on this release,
+    less the ``fresh_processes`` ones (the demo, a cross-process Inductor reload and two
+    more cross-process cache tests: minutes of compiles in child processes); one
+    cross-process cache hit and one CUDA-graph plan reload stay.
 
     No torchvision is published for it yet: the ResNet-18 tests skip with that
     reason (``transformers`` is pure Python and installed).

@@ -260,6 +260,9 @@ def test_second_process_rebuilds_the_captured_runtime_with_the_same_report(
     assert warm["replays"] == cold["replays"] > 0
 
 
+# NOTE: test_second_process_rebuilds_the_captured_runtime_with_the_same_report covers the
+# cross-process reload on the newest release; this one runs on the locked torch only.
+@pytest.mark.fresh_processes
 def test_second_process_on_a_cpu_only_machine_hits_with_the_same_plan_entries(
     tmp_path: Path,
 ) -> None:
