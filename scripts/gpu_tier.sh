@@ -9,6 +9,7 @@
 #   GPU_TIER=tests bash scripts/gpu_tier.sh  # only tests (or: bench)
 #   GPU_TESTS_ARGS="-x" GPU_TESTS_K="cudagraph or cache" GPU_BENCHES="bench_cudagraph" bash scripts/gpu_tier.sh
 #   GPU_TIER=bench GPU_BENCHES="bench_default" BENCH_ARGS="--workloads gpt_train" bash scripts/gpu_tier.sh
+#   GPU_TIER=tests GPU_TIER_PY312=0 bash scripts/gpu_tier.sh   # the gpu tests alone
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}
@@ -42,11 +43,14 @@ if [ "${GPU_TIER:-all}" != bench ]; then
       -o cache_dir=/tmp/pytest-cache --junitxml="$OUT/gpu-tests.xml" ${GPU_TESTS_ARGS:-} ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
       2>&1 | tee "$OUT/gpu-tests.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  # The hook tracer targets CPython 3.11 and 3.12: its unit tests run here on 3.12.
-  echo "=== tracer unit tests on $("$PY" -V)"
-  "$PY" -m pytest packages/tracer/tests packages/hops/tests packages/sidefx/tests packages/cells/tests -q \
-      -m "not gpu" -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/py312-tests.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # The hook tracer targets CPython 3.11 and 3.12: its unit tests run here on 3.12
+  # (GPU_TIER_PY312=0 leaves them to another call), on 8 workers (pytest-xdist).
+  if [ "${GPU_TIER_PY312:-1}" = 1 ]; then
+    echo "=== tracer unit tests on $("$PY" -V)"
+    "$PY" -m pytest packages/tracer/tests packages/hops/tests packages/sidefx/tests packages/cells/tests -q \
+        -m "not gpu" -p no:cacheprovider -n 8 2>&1 | tail -5 | tee "$OUT/py312-tests.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
 fi
 
 if [ "${GPU_TIER:-all}" != tests ]; then
