@@ -12,7 +12,7 @@ the same order; rank 0 prints and appends)::
 
 The model: ``transformers.LlamaForCausalLM`` built from a config (random weights,
 nothing downloaded; 4 layers, hidden 256 on CUDA) inside a root that returns the
-causal-LM loss alone (as ``scripts/dist_check.py``'s ``CausalLMLoss``). Engines
+causal-LM loss alone (``workloads.CausalLMLoss``). Engines
 (``--engine``): ``ddp`` (``DistributedDataParallel``, default buckets) and ``fsdp2``
 (``fully_shard`` per decoder layer, then the root). Each step is ``zero_grad``,
 forward, backward, ``AdamW(capturable=True)`` step, on a fixed per-rank batch
@@ -91,7 +91,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import workloads
 from _harness import allocated_baseline, append_results, format_table, ratio
+from workloads import CausalLMLoss, HFSize
 
 ENGINES = ("ddp", "fsdp2")
 VARIANTS = ("eager", "inductor", "reduce-overhead", "loom", "loom-cg", "capture_step")
@@ -99,52 +101,15 @@ VARIANTS = ("eager", "inductor", "reduce-overhead", "loom", "loom-cg", "capture_
 REFERENCE = {"loom": "inductor", "loom-cg": "reduce-overhead", "capture_step": "eager"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Size:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    batch: int
-    seq: int
+#: Llama sizes (``workloads.HFSize``; ``window`` unused: training steps only).
+GPU_SIZE = HFSize(4, 256, 4, 2, 704, 8192, batch=8, seq=256, window=1)
+CPU_SIZE = HFSize(2, 32, 4, 2, 64, 128, batch=2, seq=8, window=1)
 
 
-GPU_SIZE = Size(4, 256, 4, 2, 704, 8192, batch=8, seq=256)
-CPU_SIZE = Size(2, 32, 4, 2, 64, 128, batch=2, seq=8)
-
-
-class CausalLMLoss(nn.Module):
-    """The decoder and its loss, returning the loss alone (FSDP2 then hooks one
-    tensor, not every field of the model's output)."""
-
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        loss: torch.Tensor = self.lm(input_ids=ids, labels=ids).loss
-        return loss
-
-
-def build_llama(size: Size) -> CausalLMLoss:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=size.vocab,
-        hidden_size=size.hidden,
-        intermediate_size=size.intermediate,
-        num_hidden_layers=size.layers,
-        num_attention_heads=size.heads,
-        num_key_value_heads=size.kv_heads,
-        max_position_embeddings=size.seq,
-        attention_dropout=0.0,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return CausalLMLoss(transformers.LlamaForCausalLM(config))
+def build_llama(size: HFSize) -> CausalLMLoss:
+    """The Llama of ``workloads.build_llama``, returning its loss alone (FSDP2 then
+    hooks one tensor, not every field of the model's output)."""
+    return CausalLMLoss(workloads.build_llama(size))
 
 
 @dataclasses.dataclass
