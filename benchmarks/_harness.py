@@ -199,12 +199,9 @@ def reserved_memory(device: DeviceLike) -> int | None:
     them, so whether they exist at a reading depends on which variant ran last,
     not on what the variant being measured holds.
     """
-    if not _is_cuda(device):
+    dev = _settled(device)
+    if dev is None:
         return None
-    dev = torch.device(device)
-    sync(dev)
-    gc.collect()
-    drop_cublas_workspaces()
     torch.cuda.empty_cache()
     return int(torch.cuda.memory_reserved(dev))
 
@@ -225,13 +222,20 @@ def allocated_baseline(device: DeviceLike) -> int | None:
     """CUDA bytes allocated now, after a collection and with cuBLAS's workspaces
     dropped: the baseline to read a variant's peak against, so the workspaces its
     own steps create count in its peak whichever variant ran before (``None`` on CPU)."""
+    dev = _settled(device)
+    return None if dev is None else int(torch.cuda.memory_allocated(dev))
+
+
+def _settled(device: DeviceLike) -> torch.device | None:
+    """The CUDA device after a sync, a collection and cuBLAS's workspaces dropped
+    (the state every memory reading starts from; ``None`` on CPU)."""
     if not _is_cuda(device):
         return None
     dev = torch.device(device)
     sync(dev)
     gc.collect()
     drop_cublas_workspaces()
-    return int(torch.cuda.memory_allocated(dev))
+    return dev
 
 
 @contextlib.contextmanager
