@@ -141,6 +141,12 @@ def _child(backend: str, workload: str, device: str, quick: bool, profile: str) 
             f"aot {counters['aot_autograd']['autograd_cache_hit']} hit, "
             f"fx {counters['inductor']['fxgraph_cache_hit']} hit"
         )
+    if os.environ.get("BENCH_DEFAULT_STAGES"):
+        # PyTorch's own timed sections (both backends), to compare where each spent
+        from torch._dynamo.utils import compilation_time_metrics
+
+        spent = {k: round(sum(v), 3) for k, v in compilation_time_metrics.items()}
+        out["torch_times"] = dict(sorted(spent.items(), key=lambda kv: -kv[1])[:25])
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -189,8 +195,10 @@ def _run_child(
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     res = json.loads(line.removeprefix("RESULT "))
     seconds = res["wall_s"] if device == "cuda" else res["cpu_s"]
-    if res.get("stages") and os.environ.get("BENCH_DEFAULT_STAGES"):
-        print(f"    stages: {json.dumps(res['stages'])}", flush=True)
+    if os.environ.get("BENCH_DEFAULT_STAGES"):
+        for field in ("stages", "torch_times"):
+            if res.get(field):
+                print(f"    {backend} {field}: {json.dumps(res[field])}", flush=True)
     return FirstStep(float(seconds), str(res["cache"]))
 
 
@@ -359,6 +367,7 @@ def main() -> int:
         p.add_argument("--warm-runs", type=int, default=None, help="warm processes per backend")
         p.add_argument("--cold-runs", type=int, default=None, help="cold processes per backend")
         p.add_argument("--no-first-step", action="store_true", help="per-step ratios only")
+        p.add_argument("--no-steps", action="store_true", help="first-step ratios only")
         p.add_argument(
             "--profile",
             type=Path,
@@ -387,6 +396,8 @@ def main() -> int:
         return 0
     if args.no_first_step:
         first_names = []
+    if args.no_steps:
+        step_names = []
     rounds = args.rounds or (5 if quick else 7)
     iters = args.iters or (10 if quick else 30)
     warm_runs = args.warm_runs or (2 if quick else 3)
