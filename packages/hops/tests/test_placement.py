@@ -319,3 +319,81 @@ def test_saved_values_match_backward_inputs_by_position_not_name() -> None:
     assert loom_hops.count_forward_outputs(placement.forward, placement.backward) == (
         placement.num_fwd_outputs
     )
+
+
+# -- strides of what unpack returns ---------------------------------------------------
+
+
+class _Transposed(torch.nn.Module):
+    """Saves transposed (non-contiguous) tensors, as attention's reshapes make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        a = torch.matmul(q, k.transpose(-1, -2)).softmax(-1)
+        return torch.matmul(a, v).transpose(1, 2).reshape(2, 8, 16)
+
+
+def _dense_copy_pack(t: torch.Tensor) -> Any:
+    packed = torch.empty(t.size(), dtype=t.dtype, layout=t.layout)  # contiguous
+    packed.copy_(t)
+    return (t.device, packed)
+
+
+def _to_device_unpack(p: Any) -> torch.Tensor:
+    device, t = p
+    return t.to(device)  # type: ignore[no-any-return]
+
+
+class _StrideCheck(torch.fx.Interpreter):
+    """Runs a graph and records every node whose tensor's strides differ from its meta."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.wrong: list[str] = []
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        want = n.meta.get("val")
+        if isinstance(out, torch.Tensor) and isinstance(want, torch.Tensor):
+            pairs = zip(want.shape, want.stride(), out.stride(), strict=True)
+            if any(size > 1 and a != b for size, a, b in pairs):
+                self.wrong.append(f"{n.name}: meta {want.stride()} ran {out.stride()}")
+        return out
+
+
+def test_an_unpack_that_returns_other_strides_is_copied_to_the_saved_strides() -> None:
+    """save_on_cpu packs into a contiguous buffer: the unpacked tensor of a transposed
+    saved tensor is contiguous, while the backward was traced with its strides."""
+    torch.manual_seed(0)
+    model, x = _Transposed(), torch.randn(2, 8, 16)
+    hooks = (_dense_copy_pack, _to_device_unpack)
+    out_e, grads_e, _ = _run(model, x, hooks, compiled=False)
+    out_c, grads_c, log = _run(model, x, hooks, compiled=True, inline=False)
+    placement = _placement(log)
+    torch.testing.assert_close(out_c, out_e)
+    for gc, ge in zip(grads_c, grads_e, strict=True):
+        torch.testing.assert_close(gc, ge)
+    backward = placement.backward
+    restrides = [
+        n for n in backward.graph.nodes if n.target is torch.ops.prims.copy_strided.default
+    ]
+    transposed = [
+        p.name
+        for p in placement.packed
+        if not next(n for n in placement.forward.graph.nodes if n.name == p.name)
+        .meta["val"]
+        .is_contiguous()
+    ]
+    assert transposed and len(restrides) == len(transposed)
+    loom_hops.inline_subgraph_hops(backward)
+    inputs = [
+        torch.randn(v.shape).as_strided(v.shape, v.stride()) if isinstance(v, torch.Tensor) else v
+        for v in (n.meta["val"] for n in backward.graph.nodes if n.op == "placeholder")
+    ]
+    check = _StrideCheck(backward)
+    check.run(*inputs)
+    assert check.wrong == []
