@@ -397,3 +397,81 @@ def test_an_unpack_that_returns_other_strides_is_copied_to_the_saved_strides() -
     check = _StrideCheck(backward)
     check.run(*inputs)
     assert check.wrong == []
+
+
+# -- saved views of activations ---------------------------------------------------------
+
+
+class _Conv1D(torch.nn.Module):
+    """GPT-2's linear layer: ``addmm(bias, x.view(-1, nx), weight)`` with weight (nx, nf),
+    whose weight gradient needs ``x.view(-1, nx).t()``."""
+
+    def __init__(self, nx: int, nf: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = torch.nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return out.view(*x.shape[:-1], -1)
+
+
+def _gpt2_mlps() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(3):
+        layers += [_Conv1D(16, 64), torch.nn.GELU(), _Conv1D(64, 16)]
+    return torch.nn.Sequential(*layers)
+
+
+def test_a_saved_view_is_packed_where_its_base_is_last_used_not_at_the_forwards_end() -> None:
+    """The min-cut partitioner makes the views it saves (``t`` of an activation, for a
+    weight gradient) at the end of the forward: packed after that view, each full-size
+    activation it views lived through every later layer (GPT-2 peaked above eager)."""
+    model, x = _gpt2_mlps(), torch.randn(2, 8, 16)
+    out_e, grads_e, _ = _run(model, x, hm.bf16(), compiled=False)
+    out_c, grads_c, log = _run(model, x, hm.bf16(), compiled=True, inline=False, min_cut=True)
+    torch.testing.assert_close(out_c, out_e)
+    for gc, ge in zip(grads_c, grads_e, strict=True):
+        torch.testing.assert_close(gc, ge)
+    placement = _placement(log)
+    nodes = list(placement.forward.graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    views = 0
+    for packed in placement.packed:
+        saved = by_name[packed.name]
+        if not (saved.op == "call_function" and loom_hops._torch_compat.is_view_op(saved.target)):
+            continue
+        base = saved
+        while base.op == "call_function" and loom_hops._torch_compat.is_view_op(base.target):
+            base = base.args[0]
+        if base.op == "placeholder":
+            continue
+        views += 1
+        hop = next(u for u in saved.users if u.target is pack_hook_op)
+        readers = [
+            n
+            for n in nodes[nodes.index(base) + 1 : nodes.index(hop)]
+            if base in _aliases_read(n, base)
+        ]
+        after_last_read = nodes[nodes.index(readers[-1]) + 1 : nodes.index(hop)]
+        # only views (the saved one), the pack machinery and other packs in between
+        assert all(
+            n.op == "get_attr"
+            or n.target in (pack_hook_op, operator.getitem)
+            or loom_hops._torch_compat.is_view_op(n.target)
+            for n in after_last_read
+        ), (packed.name, [n.name for n in after_last_read])
+    assert views >= 3  # the ``t`` of each hidden activation
+
+
+def _aliases_read(node: torch.fx.Node, base: torch.fx.Node) -> set[torch.fx.Node]:
+    """The bases whose storage ``node`` reads (through views), if it is not a view."""
+    if node.op != "call_function" or loom_hops._torch_compat.is_view_op(node.target):
+        return set()
+    found: set[torch.fx.Node] = set()
+    for arg in node.all_input_nodes:
+        while arg.op == "call_function" and loom_hops._torch_compat.is_view_op(arg.target):
+            arg = arg.args[0]  # type: ignore[assignment]
+        found.add(arg)
+    return found

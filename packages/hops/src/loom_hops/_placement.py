@@ -169,6 +169,65 @@ def _last_use(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
     return last
 
 
+def _pack_anchor(graph: torch.fx.Graph, saved: torch.fx.Node) -> torch.fx.Node:
+    """The node after which ``saved`` is packed: the last forward use of its storage.
+
+    A saved view (``t``, ``permute``, ``detach`` of an activation) is often made by
+    the partitioner at the end of the forward, only to be saved; packed after that
+    view, the full-size base it views would stay alive through the whole forward.
+    Its storage's last use is the last op that reads the base or any alias of it
+    (views are not uses), so the view ops made only for saving are moved there and
+    the pack follows them, as eager packs a saved view of a tensor it frees early.
+    """
+    chain = [saved]  # the views that lead to ``saved`` and are used only to be saved
+    while (
+        _is_view(chain[0])
+        and isinstance(chain[0].args[0], torch.fx.Node)
+        and all(u.op == "output" or u in chain for u in chain[0].users)
+    ):
+        chain.insert(0, chain[0].args[0])
+    root = chain.pop(0)
+    if not chain:
+        return _last_use(graph, saved)
+    while _is_view(root) and isinstance(root.args[0], torch.fx.Node):
+        root = root.args[0]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    uses = [n for n in _storage_users(root) if n not in chain]
+    storage_last = max(uses, key=order.__getitem__, default=root)
+    if storage_last.op == "placeholder":
+        storage_last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    inputs = {i for n in chain for i in n.all_input_nodes if i not in chain}
+    if order[saved] < order[storage_last] or any(order[i] > order[storage_last] for i in inputs):
+        return max(_last_use(graph, saved), storage_last, key=order.__getitem__)
+    prev = storage_last
+    for node in chain:
+        prev.append(node)
+        prev = node
+    log.debug("place_saved_tensor_hooks: %s made after %s", saved.name, storage_last.name)
+    return saved
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and is_view_op(node.target)
+
+
+def _storage_users(base: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that read ``base`` directly or through views of it (not the views,
+    not the graph output)."""
+    users: list[torch.fx.Node] = []
+    todo = [base]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user.op == "output":
+                continue
+            if _is_view(user) and user.args[0] is node:
+                todo.append(user)
+            else:
+                users.append(user)
+    return users
+
+
 def _device_of(node: torch.fx.Node) -> str:
     val = node.meta.get("val")
     return str(val.device) if isinstance(val, torch.Tensor) else ""
@@ -213,7 +272,7 @@ def _insert_pack(
     lifted: list[torch.fx.Node],
 ) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     graph = fw.graph
-    anchor = _last_use(graph, saved)
+    anchor = _pack_anchor(graph, saved)
     attr = _fresh(fw, f"pack_{saved.name}")
     fw.add_submodule(attr, traced.graph)
     with graph.inserting_after(anchor):
