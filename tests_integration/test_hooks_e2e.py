@@ -606,3 +606,134 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--schedule-probe"]:
     import json
 
     print(json.dumps(_schedule_probe(reorder=sys.argv[2] == "1")))
+
+
+# -- save_on_cpu(pin_memory=True) on attention: non-contiguous saved tensors -------------
+
+
+class _Attention(torch.nn.Module):
+    """An attention block as Hugging Face writes it: q, k, v are transposed views
+    (``view(b, s, h, d).transpose(1, 2)``), so what SDPA saves is not contiguous."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).split(w, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, w // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(a.transpose(1, 2).reshape(b, s, w))
+
+
+def _attention(device: str, width: int = 64, layers: int = 2) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[_Attention(width) for _ in range(layers)]).to(device)
+
+
+def _steps_under(
+    fn: Any, model: torch.nn.Module, xs: list[torch.Tensor], context: Callable[[], Any]
+) -> list[list[torch.Tensor]]:
+    """One step per input, each under a new ``context()`` (new hook closures)."""
+    results = []
+    for x in xs:
+        model.zero_grad(set_to_none=True)
+        with context():
+            out = fn(x)
+        out.square().mean().backward()
+        results.append([out.detach(), *(p.grad.clone() for p in model.parameters())])
+    return results
+
+
+def _device_query_pair() -> Any:
+    """A user pair whose pack asks ``torch.cuda.is_available()``, as save_on_cpu does."""
+
+    def pack(t: torch.Tensor) -> Any:
+        pin = torch.cuda.is_available() and torch.backends.cuda.is_built()
+        packed = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
+        packed.copy_(t)
+        return (t.device, packed)
+
+    def unpack(p: Any) -> torch.Tensor:
+        device, t = p
+        return t.to(device, non_blocking=True)  # type: ignore[no-any-return]
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+@pytest.mark.parametrize(
+    "context",
+    [lambda: torch.autograd.graph.save_on_cpu(pin_memory=True), _device_query_pair],
+    ids=["save_on_cpu-pinned", "user-pair-asking-cuda"],
+)
+def test_hooks_asking_whether_cuda_is_there_are_placed_and_compile_once(context: Any) -> None:
+    """``torch.cuda.is_available()`` in a pack hook read ``os.environ`` when traced into:
+    the tracer refused the hook, which then ran eagerly (and, on CUDA with Inductor,
+    failed on the strides of the non-contiguous saved tensors)."""
+    model = _attention("cpu")
+    xs = [torch.randn(2, 16, 64) for _ in range(3)]
+    want = _steps_under(model, model, xs, context)
+    compiled = torch.compile(model, backend="loom", options={"codegen": "eager"})
+    got = _steps_under(compiled, model, xs, context)
+    assert _frames() == 1
+    for g, w in zip(got, want, strict=True):
+        assert _rel_err(g, w) < 1e-5
+    (record,) = torchloom.report()
+    (placed,) = [e for e in record.entries if e.area == "hooks" and e.kind == "placed"]
+    placement = record.plan("hooks.placement")
+    saved = {n.name: n.meta["val"] for n in placement.forward.graph.nodes if n.op != "output"}
+    non_contiguous = [p.name for p in placement.packed if not saved[p.name].is_contiguous()]
+    assert placed.get("packed") and non_contiguous  # the transposed q, k, v are packed
+    restrided = [
+        n
+        for n in placement.backward.graph.nodes
+        if n.target is torch.ops.prims.copy_strided.default
+    ]
+    assert len(restrided) == len(non_contiguous)  # unpacked contiguous, copied back
+
+
+def _forward_peak(fn: Callable[[], Any]) -> int:
+    """CUDA memory allocated at the peak of one forward, above what was there before."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    out.square().mean().backward()
+    return peak
+
+
+@pytest.mark.gpu
+@cuda
+def test_pinned_save_on_cpu_with_inductor_on_gpu_offloads_attention() -> None:
+    """The table's failing cell (``bench_hooks_hf.py``, save_on_cpu row): placed, compiled
+    once, gradients as eager's, and the saved tensors really leave the GPU."""
+    model = _attention("cuda", width=512, layers=4)
+    xs = [torch.randn(8, 512, 512, device="cuda") for _ in range(3)]
+
+    def pinned() -> Any:
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+    want = _steps_under(model, model, xs, pinned)
+    compiled = torch.compile(model, backend="loom")
+    got = _steps_under(compiled, model, xs, pinned)
+    assert _frames() == 1
+    for g, w in zip(got, want, strict=True):
+        assert _rel_err(g, w) < 1e-3  # Inductor's reductions
+    (record,) = torchloom.report()
+    assert any(e.area == "hooks" and e.kind == "placed" for e in record.entries)
+    placement = record.plan("hooks.placement")
+    assert placement.moved  # packed values live on the CPU
+    x = xs[0]
+    with pinned():
+        offloaded = _forward_peak(lambda: compiled(x))
+    torch._dynamo.reset()
+    plain = torch.compile(model, backend="loom")
+    plain(x).square().mean().backward()  # compile
+    kept = _forward_peak(lambda: plain(x))
+    # the activations (q, k, v, attention outputs of 4 layers) stay on the GPU without hooks
+    assert offloaded < 0.6 * kept, (offloaded, kept)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import default_partition
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 import loom_hops
 
@@ -31,6 +31,7 @@ class Compiled:
 def hooks_backend(
     scope: loom_hops.PackScope = loom_hops.PackScope.ALL,
     inline: bool = True,
+    min_cut: bool = False,
 ) -> tuple[Callable[..., Any], Compiled]:
     log = Compiled()
 
@@ -42,7 +43,12 @@ def hooks_backend(
         placed: list[loom_hops.Placement] = []
 
         def partition(joint: Any, inputs: Any, **kwargs: Any) -> Any:
-            fw, bw = default_partition(joint, inputs, **kwargs)
+            if min_cut:  # Inductor's partitioner: saves views it makes at the forward's end
+                fw, bw = min_cut_rematerialization_partition(
+                    joint, inputs, compiler="inductor", **kwargs
+                )
+            else:
+                fw, bw = default_partition(joint, inputs, **kwargs)
             if usable is not None:
                 placement = loom_hops.place_saved_tensor_hooks(
                     fw,

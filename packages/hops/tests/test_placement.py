@@ -319,3 +319,159 @@ def test_saved_values_match_backward_inputs_by_position_not_name() -> None:
     assert loom_hops.count_forward_outputs(placement.forward, placement.backward) == (
         placement.num_fwd_outputs
     )
+
+
+# -- strides of what unpack returns ---------------------------------------------------
+
+
+class _Transposed(torch.nn.Module):
+    """Saves transposed (non-contiguous) tensors, as attention's reshapes make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        a = torch.matmul(q, k.transpose(-1, -2)).softmax(-1)
+        return torch.matmul(a, v).transpose(1, 2).reshape(2, 8, 16)
+
+
+def _dense_copy_pack(t: torch.Tensor) -> Any:
+    packed = torch.empty(t.size(), dtype=t.dtype, layout=t.layout)  # contiguous
+    packed.copy_(t)
+    return (t.device, packed)
+
+
+def _to_device_unpack(p: Any) -> torch.Tensor:
+    device, t = p
+    return t.to(device)  # type: ignore[no-any-return]
+
+
+class _StrideCheck(torch.fx.Interpreter):
+    """Runs a graph and records every node whose tensor's strides differ from its meta."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.wrong: list[str] = []
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        want = n.meta.get("val")
+        if isinstance(out, torch.Tensor) and isinstance(want, torch.Tensor):
+            pairs = zip(want.shape, want.stride(), out.stride(), strict=True)
+            if any(size > 1 and a != b for size, a, b in pairs):
+                self.wrong.append(f"{n.name}: meta {want.stride()} ran {out.stride()}")
+        return out
+
+
+def test_an_unpack_that_returns_other_strides_is_copied_to_the_saved_strides() -> None:
+    """save_on_cpu packs into a contiguous buffer: the unpacked tensor of a transposed
+    saved tensor is contiguous, while the backward was traced with its strides."""
+    torch.manual_seed(0)
+    model, x = _Transposed(), torch.randn(2, 8, 16)
+    hooks = (_dense_copy_pack, _to_device_unpack)
+    out_e, grads_e, _ = _run(model, x, hooks, compiled=False)
+    out_c, grads_c, log = _run(model, x, hooks, compiled=True, inline=False)
+    placement = _placement(log)
+    torch.testing.assert_close(out_c, out_e)
+    for gc, ge in zip(grads_c, grads_e, strict=True):
+        torch.testing.assert_close(gc, ge)
+    backward = placement.backward
+    restrides = [
+        n for n in backward.graph.nodes if n.target is torch.ops.prims.copy_strided.default
+    ]
+    transposed = [
+        p.name
+        for p in placement.packed
+        if not next(n for n in placement.forward.graph.nodes if n.name == p.name)
+        .meta["val"]
+        .is_contiguous()
+    ]
+    assert transposed and len(restrides) == len(transposed)
+    loom_hops.inline_subgraph_hops(backward)
+    inputs = [
+        torch.randn(v.shape).as_strided(v.shape, v.stride()) if isinstance(v, torch.Tensor) else v
+        for v in (n.meta["val"] for n in backward.graph.nodes if n.op == "placeholder")
+    ]
+    check = _StrideCheck(backward)
+    check.run(*inputs)
+    assert check.wrong == []
+
+
+# -- saved views of activations ---------------------------------------------------------
+
+
+class _Conv1D(torch.nn.Module):
+    """GPT-2's linear layer: ``addmm(bias, x.view(-1, nx), weight)`` with weight (nx, nf),
+    whose weight gradient needs ``x.view(-1, nx).t()``."""
+
+    def __init__(self, nx: int, nf: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = torch.nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return out.view(*x.shape[:-1], -1)
+
+
+def _gpt2_mlps() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(3):
+        layers += [_Conv1D(16, 64), torch.nn.GELU(), _Conv1D(64, 16)]
+    return torch.nn.Sequential(*layers)
+
+
+def test_a_saved_view_is_packed_where_its_base_is_last_used_not_at_the_forwards_end() -> None:
+    """The min-cut partitioner makes the views it saves (``t`` of an activation, for a
+    weight gradient) at the end of the forward: packed after that view, each full-size
+    activation it views lived through every later layer (GPT-2 peaked above eager)."""
+    model, x = _gpt2_mlps(), torch.randn(2, 8, 16)
+    out_e, grads_e, _ = _run(model, x, hm.bf16(), compiled=False)
+    out_c, grads_c, log = _run(model, x, hm.bf16(), compiled=True, inline=False, min_cut=True)
+    torch.testing.assert_close(out_c, out_e)
+    for gc, ge in zip(grads_c, grads_e, strict=True):
+        torch.testing.assert_close(gc, ge)
+    placement = _placement(log)
+    nodes = list(placement.forward.graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    views = 0
+    for packed in placement.packed:
+        saved = by_name[packed.name]
+        if not (saved.op == "call_function" and loom_hops._torch_compat.is_view_op(saved.target)):
+            continue
+        base = saved
+        while base.op == "call_function" and loom_hops._torch_compat.is_view_op(base.target):
+            base = base.args[0]
+        if base.op == "placeholder":
+            continue
+        views += 1
+        hop = next(u for u in saved.users if u.target is pack_hook_op)
+        readers = [
+            n
+            for n in nodes[nodes.index(base) + 1 : nodes.index(hop)]
+            if base in _aliases_read(n, base)
+        ]
+        after_last_read = nodes[nodes.index(readers[-1]) + 1 : nodes.index(hop)]
+        # only views (the saved one), the pack machinery and other packs in between
+        assert all(
+            n.op == "get_attr"
+            or n.target in (pack_hook_op, operator.getitem)
+            or loom_hops._torch_compat.is_view_op(n.target)
+            for n in after_last_read
+        ), (packed.name, [n.name for n in after_last_read])
+    assert views >= 3  # the ``t`` of each hidden activation
+
+
+def _aliases_read(node: torch.fx.Node, base: torch.fx.Node) -> set[torch.fx.Node]:
+    """The bases whose storage ``node`` reads (through views), if it is not a view."""
+    if node.op != "call_function" or loom_hops._torch_compat.is_view_op(node.target):
+        return set()
+    found: set[torch.fx.Node] = set()
+    for arg in node.all_input_nodes:
+        while arg.op == "call_function" and loom_hops._torch_compat.is_view_op(arg.target):
+            arg = arg.args[0]  # type: ignore[assignment]
+        found.add(arg)
+    return found

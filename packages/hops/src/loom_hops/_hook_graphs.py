@@ -102,6 +102,9 @@ class TracedUnpack:
     #: The graph's inputs after the packed value: read at the forward, when the pair
     #: is known, and carried to the backward as saved values.
     lifted: tuple[LiftedInput, ...] = ()
+    #: The unpacked tensor's fake value: its strides may differ from the saved
+    #: tensor's (``save_on_cpu`` packs into a contiguous buffer).
+    example_output: torch.Tensor | None = None
 
 
 class HookGraphs(Protocol):
@@ -305,7 +308,7 @@ def trace_unpack_graph(
             "make unpack restore the saved tensor's dtype, shape and device",
         )
     _flatten_output(graph)
-    return TracedUnpack(graph, lifted=tuple(lifted))
+    return TracedUnpack(graph, lifted=tuple(lifted), example_output=result)
 
 
 def _name(fn: Any) -> str:

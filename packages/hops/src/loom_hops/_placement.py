@@ -4,7 +4,8 @@ For each tensor the partitioner saves, the pack graph is invoked (as a
 ``loom_saved_tensor_pack`` node) right after the tensor's last forward use and
 its leaves replace the tensor among the forward's saved outputs; the unpack
 graph is invoked (``loom_saved_tensor_unpack``) right before the tensor's first
-backward use, fed by new backward placeholders. Saved values are matched to
+backward use, fed by new backward placeholders, and its result is copied to the
+saved tensor's strides when it has others (``prims.copy_strided``). Saved values are matched to
 backward inputs by position, as AOTAutograd's runtime passes them (the
 partitioner may rename one: the RNG state of a recomputed random op is
 ``getitem_N`` in the forward and ``rng_state_output_N`` in the backward).
@@ -15,6 +16,7 @@ in the forward and before them in the backward.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -28,10 +30,12 @@ import torch.fx
 from loom_hops._hook_graphs import HookEffects, HookGraphs, LiftedInput, TracedPack, TracedUnpack
 from loom_hops._hook_hops import pack_hook_op, unpack_hook_op
 from loom_hops._torch_compat import (
+    fake_mode_of,
     in_checkpointed_region,
     is_rng_state_output,
     is_sym_node,
     is_view_op,
+    statically_known_true,
 )
 from loom_hops._unsupported import HopsRefusalKind, Unsupported
 
@@ -165,6 +169,65 @@ def _last_use(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
     return last
 
 
+def _pack_anchor(graph: torch.fx.Graph, saved: torch.fx.Node) -> torch.fx.Node:
+    """The node after which ``saved`` is packed: the last forward use of its storage.
+
+    A saved view (``t``, ``permute``, ``detach`` of an activation) is often made by
+    the partitioner at the end of the forward, only to be saved; packed after that
+    view, the full-size base it views would stay alive through the whole forward.
+    Its storage's last use is the last op that reads the base or any alias of it
+    (views are not uses), so the view ops made only for saving are moved there and
+    the pack follows them, as eager packs a saved view of a tensor it frees early.
+    """
+    chain = [saved]  # the views that lead to ``saved`` and are used only to be saved
+    while (
+        _is_view(chain[0])
+        and isinstance(chain[0].args[0], torch.fx.Node)
+        and all(u.op == "output" or u in chain for u in chain[0].users)
+    ):
+        chain.insert(0, chain[0].args[0])
+    root = chain.pop(0)
+    if not chain:
+        return _last_use(graph, saved)
+    while _is_view(root) and isinstance(root.args[0], torch.fx.Node):
+        root = root.args[0]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    uses = [n for n in _storage_users(root) if n not in chain]
+    storage_last = max(uses, key=order.__getitem__, default=root)
+    if storage_last.op == "placeholder":
+        storage_last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    inputs = {i for n in chain for i in n.all_input_nodes if i not in chain}
+    if order[saved] < order[storage_last] or any(order[i] > order[storage_last] for i in inputs):
+        return max(_last_use(graph, saved), storage_last, key=order.__getitem__)
+    prev = storage_last
+    for node in chain:
+        prev.append(node)
+        prev = node
+    log.debug("place_saved_tensor_hooks: %s made after %s", saved.name, storage_last.name)
+    return saved
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and is_view_op(node.target)
+
+
+def _storage_users(base: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that read ``base`` directly or through views of it (not the views,
+    not the graph output)."""
+    users: list[torch.fx.Node] = []
+    todo = [base]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user.op == "output":
+                continue
+            if _is_view(user) and user.args[0] is node:
+                todo.append(user)
+            else:
+                users.append(user)
+    return users
+
+
 def _device_of(node: torch.fx.Node) -> str:
     val = node.meta.get("val")
     return str(val.device) if isinstance(val, torch.Tensor) else ""
@@ -209,7 +272,7 @@ def _insert_pack(
     lifted: list[torch.fx.Node],
 ) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     graph = fw.graph
-    anchor = _last_use(graph, saved)
+    anchor = _pack_anchor(graph, saved)
     attr = _fresh(fw, f"pack_{saved.name}")
     fw.add_submodule(attr, traced.graph)
     with graph.inserting_after(anchor):
@@ -238,7 +301,7 @@ def _insert_pack(
 def _insert_unpack(
     bw: torch.fx.GraphModule,
     placeholder: torch.fx.Node,
-    unpack_graph: torch.fx.GraphModule,
+    unpack: TracedUnpack,
     leaves: list[torch.fx.Node],
     sym_anchor: list[torch.fx.Node],
     lifted: list[torch.fx.Node],
@@ -270,17 +333,45 @@ def _insert_unpack(
         return None
     first = _first_use(graph, placeholder)
     attr = _fresh(bw, f"unpack_{placeholder.name}")
-    bw.add_submodule(attr, unpack_graph)
+    bw.add_submodule(attr, unpack.graph)
+    saved = placeholder.meta["val"]
+    restride = _restride_to(saved, unpack.example_output)
+    unpacked = unpack.example_output if unpack.example_output is not None else saved
     with graph.inserting_before(first):
         get = graph.get_attr(attr)
         call = graph.call_function(unpack_hook_op, (get, *inputs, *lifted))
         out = graph.call_function(operator.getitem, (call, 0))
-    call.meta["val"] = (placeholder.meta["val"],)
-    out.meta = {**placeholder.meta, "loom_pass": "place_saved_tensor_hooks"}
+    call.meta["val"] = (unpacked,)
+    out.meta = {**placeholder.meta, "val": unpacked, "loom_pass": "place_saved_tensor_hooks"}
     call.meta["loom_pass"] = "place_saved_tensor_hooks"
+    if restride is not None:
+        # NOTE: the backward was traced with the saved tensor's strides (a view there
+        # may rely on them); an unpack that returns other strides is copied back.
+        with graph.inserting_after(out):
+            out = graph.call_function(torch.ops.prims.copy_strided.default, (out, restride))
+        out.meta = {**placeholder.meta, "loom_pass": "place_saved_tensor_hooks"}
     placeholder.replace_all_uses_with(out)
     graph.erase_node(placeholder)
     return first
+
+
+def _restride_to(saved: Any, unpacked: torch.Tensor | None) -> list[Any] | None:
+    """The strides to copy the unpacked tensor to, or ``None`` when its own will do.
+
+    The target is the saved tensor's strides when it is dense, else dense strides in
+    its stride order (a slice of a wider tensor is not re-widened); dimensions of
+    size one are ignored, as their strides never matter.
+    """
+    if not isinstance(saved, torch.Tensor) or unpacked is None:
+        return None
+    mode = fake_mode_of([saved])
+    with mode if mode is not None else contextlib.nullcontext():
+        target = list(torch.empty_like(saved, memory_format=torch.preserve_format).stride())
+    same = all(
+        statically_known_true(size == 1) or statically_known_true(want == got)
+        for size, want, got in zip(saved.shape, target, unpacked.stride(), strict=True)
+    )
+    return None if same else target
 
 
 def count_forward_outputs(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> int:
@@ -599,7 +690,7 @@ def _rewrite(
         first_use = _insert_unpack(
             backward,
             layout.backward_inputs[node],
-            unpack.graph,
+            unpack,
             leaves,
             sym_anchor,
             lifted.backward_inputs(unpack.lifted),

@@ -28,7 +28,7 @@ from torch.fx.experimental.proxy_tensor import (
     make_fx,
     track_tensor_tree,
 )
-from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbolic
+from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbolic, statically_known_true
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "reenter_make_fx",
     "saved_tensors_hooks_disabled",
     "saved_tensors_hooks_tracing_disabled",
+    "statically_known_true",
     "top_saved_tensors_hooks",
     "track_tensor_tree",
 ]

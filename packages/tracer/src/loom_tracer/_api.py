@@ -82,8 +82,9 @@ def trace_hook(
     guard_source = str(guard_fn.__globals__.get("__loom_source__", guard_fn.__doc__))
     input_sources = tuple(source for source, _, _ in ctx.inputs)
     input_numbers = tuple(ctx.input_numbers.get(node) for _, node, _ in ctx.inputs)
+    process_constants = tuple(ctx.process_constants)
     fingerprint = compute_fingerprint(
-        ctx.codes, guards, input_sources, graph, plan, num_user, input_numbers
+        ctx.codes, guards, input_sources, graph, plan, num_user, input_numbers, process_constants
     )
     traced = TracedHook(
         fn=fn,
@@ -97,6 +98,7 @@ def trace_hook(
         guard_source=guard_source,
         fingerprint=fingerprint,
         opaque_calls=tuple(ctx.opaque_calls),
+        process_constants=process_constants,
         torch_graph=torch_gm,
         _input_getters=tuple(source.compile() for source in input_sources),
         _globals=func.__globals__,

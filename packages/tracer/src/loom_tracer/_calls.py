@@ -20,6 +20,7 @@ from ._context import TraceContext, operand
 from ._frame import inline_call
 from ._kinds import is_const, is_symbolic
 from ._operators import binary_op, get_item, truthy
+from ._process_constants import describe_call, is_foldable_result, process_constant_name
 from ._refusal import TraceRefusalKind, refuse
 from ._values import (
     ConstV,
@@ -170,6 +171,9 @@ def call_const(
         return GradModeV(fn is torch.enable_grad)
     if fn is torch.is_grad_enabled:
         return ConstV(ctx.grad_enabled)
+    folded = process_constant_name(fn)
+    if folded is not None:
+        return _fold_process_constant(ctx, fn, folded, args, kwargs)
     if fn in (torch.finfo, torch.iinfo):
         return ConstV(fn(*[ctx.specialize(a) for a in args]))
     if isinstance(fn, type) and issubclass(fn, BaseException):
@@ -211,6 +215,21 @@ def call_const(
         TraceRefusalKind.UNSUPPORTED_CALL,
         f"calling {getattr(fn, '__module__', '?')}.{name} is not supported",
     )
+
+
+def _fold_process_constant(
+    ctx: TraceContext, fn: Any, name: str, args: list[Value], kwargs: dict[str, Value]
+) -> Value:
+    """``torch.cuda.is_available()`` and its kind: evaluated now, recorded, not traced into."""
+    no_kwargs(name, kwargs)
+    values = tuple(python_value(ctx, a) for a in args)
+    result = python_op(fn, *values)
+    if not is_foldable_result(result):
+        raise refuse(
+            TraceRefusalKind.UNSUPPORTED_CALL, f"{name} returned a {type(result).__qualname__}"
+        )
+    ctx.record_process_constant(describe_call(name, values, result))
+    return ConstV(result)
 
 
 def _mutates_in_place(fn: Any) -> bool:

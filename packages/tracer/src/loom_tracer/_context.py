@@ -184,6 +184,8 @@ class TraceContext:
         self.grad_enabled = torch.is_grad_enabled()
         self.codes: list[types.CodeType] = []
         self.opaque_calls: list[str] = []
+        #: Calls folded at trace time (``_process_constants``), as ``name(args) -> result``.
+        self.process_constants: dict[str, None] = {}
         self.where = "<hook>"
         # The model of Python state: every list, dict, set, object, globals
         # dict and cell the hook touches is tracked by the side-effect log
@@ -193,6 +195,10 @@ class TraceContext:
         self.side_effects = SideEffects()
         self.cells = CellModel(self.side_effects, guard_policy=cell_guard_policy)
         self.new_values: dict[Ref, Value] = {}
+
+    def record_process_constant(self, call: str) -> None:
+        """A call folded at trace time (no guard: its result is fixed for the process)."""
+        self.process_constants[call] = None
 
     # ------------------------------------------------------------------ guards
     def guard(self, source: Source | None, kind: GuardKind, expected: Any) -> None:

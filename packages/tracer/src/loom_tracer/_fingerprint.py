@@ -1,7 +1,8 @@
 """The fingerprint of a traced hook: a sha256 that is stable across processes.
 
 It covers the bytecode of the hook and of every function it inlined (code,
-constants, names), the guards with their expected values, the graph's
+constants, names), the guards with their expected values, the process
+constants the trace folded (``torch.cuda.is_available() -> True``), the graph's
 canonical text, the replay plan and the tracer's format version, the Python
 tag and torch version. It never uses ``id()``, salted ``hash()`` or reprs
 that carry addresses, so a cache can key on it across processes.
@@ -66,6 +67,7 @@ def compute_fingerprint(
     plan: ReplayPlan,
     num_user_outputs: int,
     input_numbers: Sequence[tuple[torch.dtype, torch.device] | None] = (),
+    process_constants: Sequence[str] = (),
 ) -> str:
     h = hashlib.sha256()
 
@@ -88,6 +90,8 @@ def compute_fingerprint(
         add(source.describe())
     for number in input_numbers:  # a lifted number: its dtype and device
         add("tensor" if number is None else f"number {number[0]} {number[1]}")
+    for call in process_constants:  # folded at trace time, not guarded
+        add(f"process constant {call}")
     add(graph_text(graph))
     add(plan.describe())
     add(str(num_user_outputs))

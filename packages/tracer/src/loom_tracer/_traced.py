@@ -45,6 +45,9 @@ class TracedHook:
     #: Per input: ``(dtype, device)`` of a number lifted to a 0-d tensor, or ``None``.
     input_numbers: tuple[tuple[torch.dtype, torch.device] | None, ...] = ()
     opaque_calls: tuple[str, ...] = ()
+    #: Calls evaluated at trace time because their result is fixed for the process
+    #: (``"torch.cuda.is_available() -> False"``); in the fingerprint, not guarded.
+    process_constants: tuple[str, ...] = ()
     torch_graph: torch.fx.GraphModule | None = field(default=None, repr=False, compare=False)
     _input_getters: tuple[Callable[[Roots], Any], ...] = field(
         default=(), repr=False, compare=False
@@ -120,6 +123,7 @@ class TracedHook:
         ]
         lines.append("inputs: " + ", ".join(s.describe() for s in self.input_sources))
         lines += ["guard: " + g.describe() for g in self.guards]
+        lines += ["process constant: " + c for c in self.process_constants]
         lines.append(self.graph.code.strip())
         lines.append(self.replay.describe())
         return "\n".join(lines)
