@@ -147,7 +147,22 @@ def _child(backend: str, workload: str, device: str, quick: bool, profile: str) 
 
         spent = {k: round(sum(v), 3) for k, v in compilation_time_metrics.items()}
         out["torch_times"] = dict(sorted(spent.items(), key=lambda kv: -kv[1])[:25])
+        from torch._dynamo.utils import counters
+
+        out["torch_counters"] = {
+            f"{group}.{name}": n
+            for group in ("inductor", "aot_autograd")
+            for name, n in sorted(counters[group].items())
+            if any(t in name for t in ("cache", "bundler", "static", "kernel"))
+        }
     print("RESULT " + json.dumps(out), flush=True)
+
+
+_TORCH_PATHS = (
+    r"(_inductor/(codecache|async_compile|triton_bundler|compile_fx|output_code|graph)"
+    r"|_inductor/runtime/(triton_heuristics|static_cuda_launcher)|_aot_autograd/"
+    r"|_functorch/aot_autograd)"
+)
 
 
 def _write_profile(prof: Any, path: Path, top: int = 40) -> None:
@@ -160,6 +175,10 @@ def _write_profile(prof: Any, path: Path, top: int = 40) -> None:
     stats.print_stats(top)
     print("loom's own functions (packages/), by cumulative time:", file=text)
     stats.print_stats(r"/packages/\w+/src/", 25)
+    # Where a compiled graph is made or loaded (codegen, module and kernel loads,
+    # AOTAutograd's cache entry), for both backends.
+    print("PyTorch's compile and load path, by cumulative time:", file=text)
+    stats.print_stats(_TORCH_PATHS, 40)
     out = re.sub(r"\S*/site-packages/", "", text.getvalue())
     out = re.sub(r"\S*/(packages|benchmarks)/", r"\1/", out)
     out = re.sub(r"/\S*/(lib/python3\.\d+/)", r"\1", out)
@@ -196,7 +215,7 @@ def _run_child(
     res = json.loads(line.removeprefix("RESULT "))
     seconds = res["wall_s"] if device == "cuda" else res["cpu_s"]
     if os.environ.get("BENCH_DEFAULT_STAGES"):
-        for field in ("stages", "torch_times"):
+        for field in ("stages", "torch_times", "torch_counters"):
             if res.get(field):
                 print(f"    {backend} {field}: {json.dumps(res[field])}", flush=True)
     return FirstStep(float(seconds), str(res["cache"]))
