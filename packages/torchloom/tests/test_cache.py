@@ -446,3 +446,27 @@ def test_key_changes_when_loom_source_changes(
     after = _cache._versions(modules=modules)
     assert "source=" in before
     assert before != after
+
+
+def test_inductor_compile_workers_wake_on_a_hit_as_on_a_cold_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Inductor's backend wakes its compile workers on entry, hit or miss; a hit loads
+    # kernels through them too, so loom must wake them before its cache lookup.
+    from torchloom import _torch_compat
+
+    woken: list[int] = []
+    monkeypatch.setattr(
+        _torch_compat, "warm_compile_workers", lambda inputs: woken.append(len(inputs))
+    )
+    cold_loss, _ = _step({"codegen": "inductor"})
+    assert [k for k, _ in _cache_entries()] == ["miss", "stored"]
+    assert len(woken) == 1 and woken[0] > 0
+    warm_loss, _ = _step({"codegen": "inductor"})
+    assert [k for k, _ in _cache_entries()] == ["hit"]
+    assert len(woken) == 2
+    assert "inductor.workers" in _stage_names()
+    torch.testing.assert_close(warm_loss, cold_loss, rtol=0, atol=0)
+    # eager codegen has no compile workers to wake
+    _step(EAGER)
+    assert len(woken) == 2

@@ -244,6 +244,13 @@ def compile_graph(
         reason = Unsupported(RefusalKind.NO_TENSOR_WORK, "", "the graph has no tensor work")
         return _eager_fallback(record, gm, reason)
     snapshot = take_snapshot(gm, example_inputs, options, record)
+    if options.codegen == "inductor":
+        # As Inductor's backend does on entry, hit or miss: the compile workers wake
+        # now. A hit loads its kernels through them too (those its entry does not
+        # bundle as static launchers); woken at the first such kernel, they are not
+        # ready in time and the kernels load in this process one at a time.
+        with record.timed("inductor.workers", owner="torch"):
+            compat.warm_compile_workers(example_inputs)
     try:
         prepared = prepare(parts, snapshot)
         # NOTE: mutable, so not part of ``Prepared``: the memory pool and plans of the
@@ -588,10 +595,8 @@ class _ColdCompilers:
         self.num_orig_outputs = compat.num_model_outputs(gm)
         self.inductor_state: compat.InductorCompileState | None = None
         if self.snapshot.options.codegen == "inductor":
-            # Inductor's own set-up: every Inductor compile pays it, loom or not; for
-            # GPU inputs the compile workers wake now, while AOTAutograd traces.
+            # Inductor's own set-up: every Inductor compile pays it, loom or not.
             with self.snapshot.record.timed("inductor.setup", owner="torch"):
-                compat.warm_compile_workers(self.snapshot.example_inputs)
                 self.inductor_state = compat.InductorCompileState(gm)
         self.placement = HookPlacement()
         self.compiled: set[GraphKind] = set()
