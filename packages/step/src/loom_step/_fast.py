@@ -23,7 +23,6 @@ from loom_step import _torch_compat as compat
 
 __all__ = [
     "END",
-    "LOCAL_TENSOR",
     "MUTABLE",
     "NEVER",
     "REQUIRES_GRAD",
@@ -36,8 +35,6 @@ __all__ = [
 ]
 
 REQUIRES_GRAD = operator.attrgetter("requires_grad")
-#: A ``DTensor``'s local tensor (the object holding its memory on this rank).
-LOCAL_TENSOR = operator.attrgetter("_local_tensor")
 #: What the per-call check compares of a tensor argument (the class: a stand-in with the
 #: same attributes is no tensor).
 _TENSOR_KEY = operator.attrgetter("__class__", "shape", "dtype", "device", "requires_grad")
@@ -142,7 +139,7 @@ class FastCheck:
                 and compat.data_ptrs_equal(self.tensors, self.pointers, self.indices)
                 and (
                     not self.wrapped
-                    or all(map(operator.is_, map(LOCAL_TENSOR, self.wrapped), self.locals))
+                    or all(map(operator.is_, map(compat.LOCAL_TENSOR, self.wrapped), self.locals))
                 )
                 and list(map(REQUIRES_GRAD, self.flagged)) == self.requires_grad
                 and (not self.values or self.values == self.snapshots)

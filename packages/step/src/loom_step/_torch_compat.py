@@ -12,12 +12,14 @@ diff of this file.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
+    "LOCAL_TENSOR",
     "address",
     "all_gather_object",
     "all_reduce_min",
@@ -128,6 +130,8 @@ data_ptrs_equal: Callable[[list[Any], list[int | None], list[int]], bool] = geta
 )
 
 
+#: A ``DTensor``'s local tensor, read at C speed (``local_tensor`` checks the class first).
+LOCAL_TENSOR = operator.attrgetter("_local_tensor")
 #: Tensor classes whose ``data_ptr()`` is their own memory's address (no wrapper).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
