@@ -25,8 +25,8 @@ forward, backward, ``AdamW(capturable=True)`` step, on a fixed per-rank batch
   DDP module, or the FSDP2 root;
 - ``capture_step``: ``torchloom.capture_step`` over the whole eager step (DDP built
   on a side stream, as PyTorch's recipe says; 11 warm-up calls); under FSDP2 it is
-  not run unless ``--fsdp2-capture-step`` (capture_step has not been tried under
-  FSDP2: the row says so).
+  not run unless ``--fsdp2-capture-step`` (capture_step handles FSDP2 steps, but
+  until ``dist_check.py --config fsdp2-step`` has passed on GPUs the row says so).
 
 Every variant gets its own model copy (same seed), runs ``--warmup`` calls (its
 compile in the first: ``first_call_s``, with loom's cache in a fresh directory and
@@ -138,8 +138,8 @@ def not_run_reason(engine: str, variant: str, args: argparse.Namespace) -> str |
         return "not run on CPU: an Inductor CPU compile takes minutes on a small machine"
     if engine == "fsdp2" and variant == "capture_step" and not args.fsdp2_capture_step:
         return (
-            "not run: capture_step has not been tried under FSDP2 yet "
-            "(docs/distributed.md); --fsdp2-capture-step tries it"
+            "not run: capture_step under FSDP2 awaits its first GPU check "
+            "(dist_check.py --config fsdp2-step); --fsdp2-capture-step runs it"
         )
     return None
 

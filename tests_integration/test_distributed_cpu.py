@@ -77,7 +77,8 @@ def cpu_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
     cache = tmp_path_factory.mktemp("dist-cache")
     return torchrun(
         "--device", "cpu", "--config", "fsdp2-hooks", "fsdp2-hf", "fsdp2-ca-hf", "ddp",
-        "fsdp2-cudagraphs", "ddp-cg", "--steps", "2", env={"TORCHLOOM_CACHE_DIR": str(cache)},
+        "fsdp2-cudagraphs", "ddp-cg", "fsdp2-step", "--steps", "2",
+        env={"TORCHLOOM_CACHE_DIR": str(cache)},
     )  # fmt: skip
 
 
@@ -156,7 +157,7 @@ def test_ddp_with_inductor_codegen_serves_identical_buckets_from_the_cache_in_th
 def test_cuda_graphs_under_fsdp2_and_ddp_are_gpu_only(
     cpu_results: dict[str, dict[str, Any]],
 ) -> None:
-    for name in ("fsdp2-cudagraphs", "ddp-cg"):
+    for name in ("fsdp2-cudagraphs", "ddp-cg", "fsdp2-step"):
         r = cpu_results[name]
         assert r["verdict"] == "SKIP" and "GPU only" in r["reason"]
 

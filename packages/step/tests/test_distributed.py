@@ -1,17 +1,29 @@
-"""capture_step and DDP, in one process: the ranks' actions are ordered for a
-minimum to be the most conservative, and a host synchronization inside a library
-names that library's frame (DDP's with what capture_step does about it). The two-rank
+"""capture_step and DDP or FSDP2, in one process: the ranks' actions are ordered for a
+minimum to be the most conservative, a host synchronization inside a library
+names that library's frame (DDP's with what capture_step does about it), a DTensor
+(FSDP2's parameters, gradients, optimizer state) is guarded by its local tensor, FSDP2
+settings a capture cannot hold are refused, and a failed capture names the frame
+that raised. The two-rank
 agreement is tested in tests_integration/test_capture_step_ranks.py.
 """
 
 from __future__ import annotations
 
 import traceback
+import types
+from collections.abc import Iterator
 from pathlib import Path
 
-from loom_step import StepRefusalKind
-from loom_step._distributed import Action
-from loom_step._refusals import sync_refusal
+import pytest
+import torch
+
+from loom_cudagraph import CudagraphRefusalKind
+from loom_step import GuardKind, StepRefusalKind
+from loom_step import _torch_compat as compat
+from loom_step._distributed import Action, fsdp2_refusal
+from loom_step._guard import StepProbe
+from loom_step._refusals import capture_refusal, sync_refusal
+from loom_step._targets import find_targets
 
 
 def test_actions_are_ordered_from_the_most_conservative() -> None:
@@ -51,3 +63,98 @@ def test_a_sync_on_the_users_own_line_names_no_library_frame() -> None:
     reason = sync_refusal(users_step())
     assert reason is not None and reason.origin == ""
     assert "synchronized in" not in str(reason) and ".item()" in reason.hint
+
+
+# --- FSDP2: DTensor addresses, refusals, a failed capture's library frame ------------------
+
+
+@pytest.fixture
+def fake_group() -> Iterator[None]:
+    """A two-rank process group that runs nothing (this process is rank 0): enough to
+    make DTensors as FSDP2 holds them. Destroyed after the test."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensor_is_guarded_by_its_local_tensors_identity_and_address(
+    fake_group: None,
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    layer = torch.nn.Linear(4, 4, bias=False)
+    local = torch.randn(2, 4)
+    layer.weight = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+    w = layer.weight
+    assert w.data_ptr() == 0  # a DTensor has no memory of its own
+    assert compat.address(w) == local.data_ptr() != 0
+    assert compat.local_tensor(w) is w._local_tensor and compat.local_tensor(local) is None
+
+    def step() -> None:
+        layer(torch.ones(1, 4))
+
+    probe = StepProbe(find_targets(step))
+    before = probe.read([], None)
+    check = probe.fast_check((), [None])
+    assert check.matches(())
+    w._local_tensor = local.clone()  # new memory behind the same parameter object
+    assert not check.matches(())
+    mismatch = before.mismatch(probe.read([], None))
+    assert mismatch is not None and mismatch.kind is GuardKind.ADDRESSES
+
+
+class _FakeFSDP2State:
+    def __init__(self, offload: bool, event: object = None) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+        self._fsdp_param_group = types.SimpleNamespace(offload_policy=policy)
+        self._state_ctx = types.SimpleNamespace(post_optim_event=event)
+
+
+class _FakeFSDP2(torch.nn.Module):
+    def __init__(self, state: _FakeFSDP2State) -> None:
+        super().__init__()
+        self.state = state
+
+    def _get_fsdp_state(self) -> _FakeFSDP2State:
+        return self.state
+
+
+def test_fsdp2_settings_a_capture_cannot_hold_are_refused_naming_the_setting() -> None:
+    where = "train.py:3 in step"
+    assert fsdp2_refusal([("model", _FakeFSDP2(_FakeFSDP2State(False)))], where) is None
+    offload = fsdp2_refusal([("model.layers.0", _FakeFSDP2(_FakeFSDP2State(True)))], where)
+    assert offload is not None and offload.kind is StepRefusalKind.DISTRIBUTED
+    assert offload.where == where
+    assert offload.op == "fully_shard(model.layers.0, offload_policy=CPUOffloadPolicy())"
+    event = fsdp2_refusal([("model", _FakeFSDP2(_FakeFSDP2State(False, object())))], where)
+    assert event is not None and event.op == "model.set_post_optim_event(event)"
+    assert "across the capture's end" in event.explanation
+
+
+def test_a_failed_capture_names_the_users_line_and_the_library_frame_that_raised() -> None:
+    import torch.distributed.distributed_c10d as c10d
+
+    def users_step() -> None:
+        c10d._get_default_group()  # raises: no process group
+
+    try:
+        users_step()
+    except ValueError as exc:
+        reason = capture_refusal(users_step, exc, "the hint")
+    assert reason.kind is CudagraphRefusalKind.CAPTURE_FAILED
+    assert (
+        reason.where.endswith("in users_step")
+        and reason.op == "c10d._get_default_group()  # raises: no process group"
+    )
+    assert reason.origin.startswith("torch/distributed/distributed_c10d.py:")
+    assert " in _get_default_group: " in reason.origin
+    assert f"(raised in {reason.origin})" in str(reason) and reason.hint == "the hint"

@@ -10,6 +10,23 @@ step whose targets include a DDP module is warmed up for :data:`DDP_WARMUP` call
 at least, and its DDP modules' runtime-logging sample rate is set so high that no
 later iteration (a re-recording's capture included) reads the timers again.
 
+**FSDP2.** ``fully_shard`` runs its all-gathers and reduce-scatters eagerly, on
+side streams it makes at its lazy init (the root's first forward): copy-in and
+all-gather streams that wait on the current stream at the root's pre-forward,
+a reduce-scatter stream that waits on it before each reduction, events between
+them, and unsharded parameters whose storage it resizes to full before use and
+to 0 after. Under a capture each side stream joins the graph through its first
+wait on the capture stream, allocations there come from the graph's pool, and
+every event FSDP2 records in a step is waited on in that step; nothing crosses
+the step's end (its final backward callback clears them). So a step with
+FSDP2 modules is warmed up for :data:`FSDP2_WARMUP` calls at least (lazy init,
+NCCL's communicators, the optimizer's state), and its capture ends by joining
+each FSDP2 stream that took part back into the capture stream
+(:func:`join_capturing`). Refused before a capture (:func:`fsdp2_refusal`):
+parameters offloaded to the host (the optimizer step runs on the host) and a
+post-optimizer event (``set_post_optim_event``: recorded in one step, waited on
+in the next).
+
 **Ranks.** Every decision a step makes (replay, warm up, capture, run uncaptured,
 refuse) must be the same on every rank: a rank that captures while another replays
 or runs eagerly issues its collectives differently (a capture records them and a
@@ -33,13 +50,20 @@ from typing import Any
 import torch
 
 from loom_step import _torch_compat as compat
+from loom_step._refusals import StepRefusalKind, StepUnsupported
 from loom_step._targets import StepTargets
 
 __all__ = [
     "DDP_WARMUP",
+    "FSDP2_CAPTURE_HINT",
+    "FSDP2_WARMUP",
     "Action",
     "RankAgreement",
     "ddp_modules",
+    "fsdp2_modules",
+    "fsdp2_refusal",
+    "fsdp2_streams",
+    "join_capturing",
     "quiet_ddp_timers",
     "rank_agreement",
 ]
@@ -49,6 +73,10 @@ log = logging.getLogger("torchloom.capture_step")
 #: Eager DDP iterations before a capture (PyTorch's recipe: DDP's timer logging
 #: covers its first 10 iterations, its bucket rebuild the second).
 DDP_WARMUP = 11
+#: Eager FSDP2 calls before a capture: the first runs FSDP2's lazy init (its streams,
+#: the root's no-reshard setting, re-padded shards), NCCL's communicator set-up and
+#: the optimizer's state; the second is a steady step like every later one.
+FSDP2_WARMUP = 2
 #: DDP's runtime-logging sample rate under capture_step: the timers are read in the
 #: first 10 iterations only (DDP reads them when ``iteration % rate == 0``).
 DDP_SAMPLE_RATE = 2**31 - 1
@@ -83,14 +111,77 @@ def ddp_modules(targets: StepTargets) -> list[tuple[str, torch.nn.Module]]:
     return list(found.values())
 
 
-def _fsdp_modules(targets: StepTargets) -> list[torch.nn.Module]:
-    """Modules sharded with FSDP2's ``fully_shard`` (their class is ``FSDP<Class>``)."""
-    return [
-        m
-        for _, root in targets.modules
-        for m in root.modules()
-        if type(m).__name__.startswith("FSDP") and hasattr(m, "unshard")
-    ]
+def fsdp2_modules(targets: StepTargets) -> list[tuple[str, torch.nn.Module]]:
+    """The modules sharded with FSDP2's ``fully_shard`` among a step's modules and
+    their submodules (a compiled module's ``_orig_mod`` too), with their names."""
+    found: dict[int, tuple[str, torch.nn.Module]] = {}
+    for name, root in targets.modules:
+        for sub, m in root.named_modules(prefix=name):
+            if compat.is_fsdp2_module(m):
+                found.setdefault(id(m), (sub, m))
+    return list(found.values())
+
+
+def fsdp2_refusal(
+    fsdps: Sequence[tuple[str, torch.nn.Module]], where: str
+) -> StepUnsupported | None:
+    """An FSDP2 setting a capture cannot hold, or ``None``."""
+    for name, m in fsdps:
+        if compat.fsdp2_offloads(m):
+            return StepUnsupported(
+                StepRefusalKind.DISTRIBUTED,
+                where,
+                f"{name} (FSDP2) offloads its parameters to the host (CPUOffloadPolicy): "
+                "the optimizer steps them on the host, which a replay would not repeat",
+                "shard without offload_policy to capture the step, or leave it uncaptured",
+                op=f"fully_shard({name}, offload_policy=CPUOffloadPolicy())",
+            )
+        if compat.fsdp2_post_optim_event(m) is not None:
+            return StepUnsupported(
+                StepRefusalKind.DISTRIBUTED,
+                where,
+                f"{name} (FSDP2) has a post-optimizer event set "
+                "(set_post_optim_event): it is recorded in one step and waited on by the "
+                "next step's all-gathers, across the capture's end",
+                "leave set_post_optim_event out of a captured step (the captured step "
+                "orders its all-gathers after the optimizer itself)",
+                op=f"{name}.set_post_optim_event(event)",
+            )
+    return None
+
+
+def fsdp2_streams(fsdps: Sequence[tuple[str, torch.nn.Module]]) -> list[Any]:
+    """The side streams FSDP2 made for these modules (each once), after their lazy init."""
+    found: dict[int, Any] = {}
+    for _, m in fsdps:
+        for stream in compat.fsdp2_comm_streams(m):
+            found.setdefault(id(stream), stream)
+    return list(found.values())
+
+
+def join_capturing(streams: Sequence[Any]) -> None:
+    """Make the current stream wait on each of ``streams`` that is capturing now (it
+    joined the capture through a wait on the capture stream): a capture must end with
+    every stream it forked joined back. Streams that never joined are left alone (a
+    capture may not wait on work outside it)."""
+    if not streams or not torch.cuda.is_available():
+        return
+    current = torch.cuda.current_stream()
+    if not torch.cuda.is_current_stream_capturing():
+        return
+    for stream in streams:
+        with torch.cuda.stream(stream):
+            capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            current.wait_stream(stream)
+
+
+#: What an FSDP2 step's capture needs that capture_step cannot set itself.
+FSDP2_CAPTURE_HINT = (
+    "for FSDP2 on NCCL, set TORCH_NCCL_ASYNC_ERROR_HANDLING=0 in the environment before "
+    "init_process_group (NCCL's watchdog thread queries events while the capture runs); "
+    "capture_step itself warms FSDP2 up for 2 calls and joins its streams into the capture"
+)
 
 
 def quiet_ddp_timers(ddps: Sequence[tuple[str, torch.nn.Module]]) -> None:
@@ -131,7 +222,7 @@ def rank_agreement(targets: StepTargets, setting: bool | None) -> RankAgreement 
         return None
     ddps = ddp_modules(targets)
     group = getattr(ddps[0][1], "process_group", None) if ddps else None
-    if setting is None and not ddps and not _fsdp_modules(targets):
+    if setting is None and not ddps and not fsdp2_modules(targets):
         return None
     group, ranks = compat.host_group(group)
     if ranks < 2:

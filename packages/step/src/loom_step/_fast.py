@@ -82,7 +82,9 @@ class FastCheck:
     object by identity (one pass over live dict views and lists at C speed, gradients
     included, ending in a sentinel so that a set that grew or shrank never matches),
     every guarded tensor's address (one C++ call) and ``requires_grad``, mutable
-    hyperparameter values by value, and each gradient scaler's enabled flag. The
+    hyperparameter values by value, and each gradient scaler's enabled flag. A
+    ``DTensor`` (FSDP2's parameters, gradients and optimizer state) has no memory of
+    its own: its local tensor is compared by identity and address instead. The
     objects compared by identity are held here, so no new object takes one's id.
     """
 
@@ -98,6 +100,9 @@ class FastCheck:
     tensors: list[torch.Tensor] = dataclasses.field(repr=False)
     pointers: list[int | None] = dataclasses.field(repr=False)
     indices: list[int] = dataclasses.field(repr=False)
+    #: guarded ``DTensor``\ s and the local tensor each held (whose address is in ``tensors``)
+    wrapped: list[torch.Tensor] = dataclasses.field(repr=False)
+    locals: list[torch.Tensor] = dataclasses.field(repr=False)
     #: tensors whose ``requires_grad`` the full guard compares, and their flags
     flagged: list[torch.Tensor] = dataclasses.field(repr=False)
     requires_grad: list[bool] = dataclasses.field(repr=False)
@@ -132,6 +137,10 @@ class FastCheck:
                 all(map(operator.is_, self.stream(), self.held))
                 and not any(map(len, self.empty))
                 and compat.data_ptrs_equal(self.tensors, self.pointers, self.indices)
+                and (
+                    not self.wrapped
+                    or all(map(operator.is_, map(compat.LOCAL_TENSOR, self.wrapped), self.locals))
+                )
                 and list(map(REQUIRES_GRAD, self.flagged)) == self.requires_grad
                 and (not self.values or self.values == self.snapshots)
                 and (not self.scalers or scalers_enabled(self.scalers) == self.scalers_enabled)

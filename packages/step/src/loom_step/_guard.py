@@ -129,8 +129,9 @@ class StepGuard:
     step's modules and optimizers (``requires_grad``: of the modules' and the
     step's own tensors, not of optimizer state); ``names`` says what each object is (for
     messages; not compared). ``grads`` holds, per parameter, ``None`` or the
-    gradient's ``(id, data_ptr)``; a recording's guard may hold :data:`ANY_TENSOR`
-    where the step replaces the gradient it finds.
+    gradient's ``(id, address)`` (a DTensor's address: its local tensor's); a
+    recording's guard may hold :data:`ANY_TENSOR` where the step replaces the
+    gradient it finds.
     """
 
     tree: Any
@@ -267,13 +268,13 @@ class _GuardParts:
     def build(
         self, leaves: Sequence[Any], tree: Any, params: Sequence[torch.Tensor], param_names: Any
     ) -> StepGuard:
-        grads = tuple(None if (g := p.grad) is None else (id(g), g.data_ptr()) for p in params)
+        grads = tuple(None if (g := p.grad) is None else (id(g), compat.address(g)) for p in params)
         return StepGuard(
             tree=tree,
             args=tuple(_leaf_spec(v) for v in leaves),
             modes=mode_state(),
             objects=tuple(map(id, self.objects)),
-            pointers=tuple(t.data_ptr() for t in self.tensors),
+            pointers=tuple(map(compat.address, self.tensors)),
             requires_grad=tuple(t.requires_grad for t in self.tensors[: self.flagged]),
             hyper=tuple(self.hyper),
             grads=grads,
@@ -357,6 +358,12 @@ class StepProbe:
         flagged = unique_tensors([*self._module_tensors(), *(t for _, t in self.targets.tensors)])
         tensors = unique_tensors([*now[: len(now) - len(params) - 1], *inner, *flagged, *grads])
         scalers = tuple(s for _, s in self.targets.scalers)
+        # A DTensor's own data_ptr() is 0: its local tensor's identity and address instead.
+        pairs = [(t, compat.local_tensor(t)) for t in tensors]
+        wrapped = [(t, inner) for t, inner in pairs if inner is not None]
+        memory = unique_tensors(
+            [*(t for t, inner in pairs if inner is None), *(i for _, i in wrapped)]
+        )
         return FastCheck(
             nargs=len(args),
             args_match=args_check(args),
@@ -365,9 +372,11 @@ class StepProbe:
             autocast_dtypes=(torch.get_autocast_dtype("cuda"), torch.get_autocast_dtype("cpu")),
             stream=stream,
             held=held,
-            tensors=tensors,
-            pointers=[t.data_ptr() for t in tensors],
-            indices=list(range(len(tensors))),
+            tensors=memory,
+            pointers=[t.data_ptr() for t in memory],
+            indices=list(range(len(memory))),
+            wrapped=[t for t, _ in wrapped],
+            locals=[inner for _, inner in wrapped],
             flagged=flagged,
             requires_grad=list(map(REQUIRES_GRAD, flagged)),
             values=values,

@@ -112,8 +112,10 @@ def record_step(
     fn: Callable[..., Any],
     probe: StepProbe,
     static: StaticArgs,
+    finish: Callable[[], None] | None = None,
 ) -> Captured:
-    """Record ``fn`` on the static arguments (running nothing on CUDA). The parameters'
+    """Record ``fn`` on the static arguments (running nothing on CUDA), then
+    ``finish()`` inside the capture (joining side streams back). The parameters'
     gradients are put back as the capture found them if it raises."""
     params = probe.params
     entry = [p.grad for p in params]
@@ -128,6 +130,8 @@ def record_step(
             if p.grad is not e:
                 p.grad = e
         out = fn(*static.args, **static.kwargs)
+        if finish is not None:
+            finish()
         leaves, shape[0] = compat.tree_flatten(out)
         shape[1] = isinstance(out, torch.Tensor)
         del out
@@ -182,7 +186,7 @@ def new_recording(
         for e, x in zip(entry, exit_grads, strict=True)
     ]
     expect = tuple(
-        None if e is None else (id(e), e.data_ptr()) if x is e else ANY_TENSOR
+        None if e is None else (id(e), compat.address(e)) if x is e else ANY_TENSOR
         for e, x in zip(entry, exit_grads, strict=True)
     )
     rec = Recording(

@@ -37,6 +37,7 @@ __all__ = [
     "StepUnsupported",
     "autocast_refusal",
     "call_site",
+    "capture_refusal",
     "collect_syncs",
     "describe_frame",
     "library_frame",
@@ -67,6 +68,9 @@ class StepRefusalKind(enum.Enum):
     HOST_OUTPUT = "host_output"
     #: The step changes Python state a replay would not (a float lr, a rebound tensor).
     PYTHON_STATE = "python_state"
+    #: A distributed engine's setting that a capture cannot hold (FSDP2's host
+    #: offload, an event FSDP2 waits on in the next step).
+    DISTRIBUTED = "distributed"
 
 
 #: A step refusal's kind: the step's own, or the capture core's for a failed capture
@@ -85,14 +89,16 @@ class StepUnsupported(Refusal[AnyStepRefusalKind]):
     cuda_work: bool = True
     #: The library frame that did it, ``torch/nn/parallel/distributed.py:1566 in
     #: _pre_forward: self.logger.set_runtime_stats_and_log()`` (a host synchronization
-    #: made inside torch), or empty when the user's line did it itself.
+    #: made inside torch, or the frame a failed capture raised in), or empty when the
+    #: user's line did it itself.
     origin: str = ""
 
     def __str__(self) -> str:
         """The shared refusal text, ``[kind] where: op: explanation (hint: ...)``."""
         explanation = self.explanation
         if self.origin:
-            explanation = f"{explanation} (synchronized in {self.origin})"
+            verb = "synchronized" if self.kind is StepRefusalKind.SYNC_OP else "raised"
+            explanation = f"{explanation} ({verb} in {self.origin})"
         if self.op:
             explanation = f"{self.op}: {explanation}"
         if explanation == self.explanation:
@@ -340,6 +346,42 @@ _LIBRARY_SYNC_HINTS = {
         "a DDP step up for 11 iterations and sets ddp._set_ddp_runtime_logging_sample_rate "
         "itself; a DDP it did not find (pass track=[ddp_model]) or one called outside "
         "the step keeps syncing"
+    ),
+}
+
+
+def capture_refusal(fn: Callable[..., Any], exc: BaseException, hint: str) -> StepUnsupported:
+    """A capture that raised: the user's line the exception passed through (``where``
+    and ``op``), the library frame that raised it (``origin``: the collective, the
+    stream wait, ``torch.cuda.graph``'s end), and ``hint``, or a known frame's own."""
+    stack = traceback.extract_tb(exc.__traceback__)
+    frame = user_frame(stack)
+    line = ""
+    if frame is not None:
+        line = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+    library = library_frame(stack)
+    origin = describe_frame(library) if library is not None else ""
+    known = _LIBRARY_CAPTURE_HINTS.get(_short_path(library.filename)) if library else None
+    if known is not None:
+        hint = f"{known}; {hint}"
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return StepUnsupported(
+        CudagraphRefusalKind.CAPTURE_FAILED,
+        _where(frame) or call_site(fn, ""),
+        f"torch.cuda.graph capture raised {type(exc).__name__}: {message}",
+        hint,
+        op=line,
+        origin=origin,
+    )
+
+
+#: What to do about a capture that failed in a known library file.
+_LIBRARY_CAPTURE_HINTS = {
+    "torch/cuda/graphs.py": (
+        "the capture was invalidated before its end: CUDA work or a query outside the "
+        "captured streams (another thread, such as NCCL's watchdog, or a stream the step "
+        "forked and never joined); for NCCL set TORCH_NCCL_ASYNC_ERROR_HANDLING=0 before "
+        "init_process_group, and report the op with TORCHLOOM_LOG=debug"
     ),
 }
 

@@ -34,9 +34,15 @@ from loom_cudagraph import CudagraphRefusalKind
 from loom_step import _torch_compat as compat
 from loom_step._distributed import (
     DDP_WARMUP,
+    FSDP2_CAPTURE_HINT,
+    FSDP2_WARMUP,
     Action,
     RankAgreement,
     ddp_modules,
+    fsdp2_modules,
+    fsdp2_refusal,
+    fsdp2_streams,
+    join_capturing,
     quiet_ddp_timers,
     rank_agreement,
 )
@@ -56,6 +62,7 @@ from loom_step._refusals import (
     StepUnsupported,
     autocast_refusal,
     call_site,
+    capture_refusal,
     collect_syncs,
     optimizer_refusals,
     scaler_refusals,
@@ -140,8 +147,10 @@ class CapturedStep(Generic[P, R]):
         self._rerecords: list[str] = []
         #: return copies of outputs (set once a view of an output was held)
         self._clone_outputs = False
-        #: eager calls before the first capture (more than ``options.warmup`` under DDP)
+        #: eager calls before the first capture (more under DDP and FSDP2)
         self._min_warmup = self.options.warmup
+        #: the step's FSDP2 modules (``fully_shard``), with their names
+        self._fsdps: list[tuple[str, torch.nn.Module]] = []
         #: the ranks agreeing on each call, when the step involves a process group
         self._agreement: RankAgreement | None = None
         #: a refusal the first call found before running anything (no CUDA, optimizers)
@@ -237,8 +246,8 @@ class CapturedStep(Generic[P, R]):
 
     def _start(self, leaves: Sequence[Any]) -> None:
         """The first call: the step's targets, what refuses it before any call, DDP's
-        warm-up and timers, and the ranks' agreement (on every rank, so any group it
-        makes is made together)."""
+        and FSDP2's warm-up, DDP's timers, and the ranks' agreement (on every rank, so
+        any group it makes is made together)."""
         self._targets = find_targets(self.fn, self._track)
         self._state = StepState.WARMING_UP
         self._static = self._static_refusal(leaves)
@@ -250,6 +259,16 @@ class CapturedStep(Generic[P, R]):
                 "capture_step %s: DDP (%s): %d warm-up calls",
                 self._name,
                 ", ".join(n for n, _ in ddps),
+                self._min_warmup,
+            )
+        self._fsdps = fsdp2_modules(self._targets)
+        if self._fsdps:
+            self._min_warmup = max(self._min_warmup, FSDP2_WARMUP)
+            log.debug(
+                "capture_step %s: FSDP2 (%d sharded modules, root %s): %d warm-up calls",
+                self._name,
+                len(self._fsdps),
+                self._fsdps[0][0],
                 self._min_warmup,
             )
         self._agreement = rank_agreement(self._targets, self.options.agree_across_ranks)
@@ -271,6 +290,8 @@ class CapturedStep(Generic[P, R]):
         probe = StepProbe(self._targets)
         current = probe.read(leaves, tree, named=True)
         reason = autocast_refusal(self.fn) or self._host_argument(leaves)
+        if reason is None and self._fsdps:
+            reason = fsdp2_refusal(self._fsdps, call_site(self.fn, ""))
         if reason is not None:
             return _Decision(Action.REFUSE, reason=reason)
         if self._recordings:
@@ -532,10 +553,15 @@ class CapturedStep(Generic[P, R]):
         this call (a capture runs nothing)."""
         static = static_arguments(leaves, tree)
         failed: StepUnsupported | None = None
+        # FSDP2's side streams joined the capture through their waits on it: join them back.
+        streams = fsdp2_streams(self._fsdps)
+        finish = functools.partial(join_capturing, streams) if streams else None
         try:
-            made = record_step(self.capturer, self.fn, probe, static)
+            made = record_step(self.capturer, self.fn, probe, static, finish)
         except RuntimeError as exc:
-            failed = self._new.sync or _capture_failed(self.fn, exc, bool(self._ddps()))
+            failed = self._new.sync or _capture_failed(
+                self.fn, exc, bool(self._ddps()), bool(self._fsdps)
+            )
         agreement = self._agreement
         if agreement is not None:
             # NOTE: no rank replays a recording another rank failed to make.
@@ -697,14 +723,12 @@ DDP_CAPTURE_HINT = (
 
 
 def _capture_failed(
-    fn: Callable[..., Any], exc: RuntimeError, ddp: bool = False
+    fn: Callable[..., Any], exc: RuntimeError, ddp: bool = False, fsdp2: bool = False
 ) -> StepUnsupported:
-    return StepUnsupported(
-        CudagraphRefusalKind.CAPTURE_FAILED,
-        call_site(fn, ""),
-        f"torch.cuda.graph capture raised {type(exc).__name__}: {exc}",
-        DDP_CAPTURE_HINT if ddp else "run it with TORCHLOOM_LOG=debug and report the op",
-    )
+    """A failed capture, naming the user's line and the library frame that raised."""
+    hints = [h for h, on in ((DDP_CAPTURE_HINT, ddp), (FSDP2_CAPTURE_HINT, fsdp2)) if on]
+    hint = "; ".join(hints) or "run it with TORCHLOOM_LOG=debug and report the op"
+    return capture_refusal(fn, exc, hint)
 
 
 def _refusal_kind(value: str) -> StepRefusalKind | CudagraphRefusalKind:

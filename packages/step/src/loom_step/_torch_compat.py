@@ -3,26 +3,36 @@
 Pytree flattening of a step's arguments and outputs, the storage use count that
 the held-output check reads, Dynamo's C++ checks of tensors and global state
 that the per-call check reuses, the fused copy that fills argument buffers, and
-the one-call pointer check. Version-dependent names and small adapters, no
-behaviour: a torch upgrade is a diff of this file.
+the one-call pointer check, a DTensor's local memory, DDP's timer logging and
+FSDP2's state (its streams, offload policy and post-optimizer event).
+Version-dependent names and small adapters, no behaviour: a torch upgrade is a
+diff of this file.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
+    "LOCAL_TENSOR",
+    "address",
     "all_gather_object",
     "all_reduce_min",
     "data_ptrs_equal",
     "distributed_initialized",
     "foreach_copy_",
+    "fsdp2_comm_streams",
+    "fsdp2_offloads",
+    "fsdp2_post_optim_event",
     "global_state_check",
     "host_group",
+    "is_fsdp2_module",
+    "local_tensor",
     "set_ddp_runtime_logging_sample_rate",
     "storage_counter",
     "storage_use_count",
@@ -120,7 +130,33 @@ data_ptrs_equal: Callable[[list[Any], list[int | None], list[int]], bool] = geta
 )
 
 
-# --- torch.distributed: DDP's timer logging, the ranks' agreement --------------------------
+#: A ``DTensor``'s local tensor, read at C speed (``local_tensor`` checks the class first).
+LOCAL_TENSOR = operator.attrgetter("_local_tensor")
+#: Tensor classes whose ``data_ptr()`` is their own memory's address (no wrapper).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor holding a ``DTensor``'s memory on this rank (its ``_local_tensor``),
+    or ``None`` for any other tensor."""
+    if t.__class__ in _PLAIN:
+        return None
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else None
+
+
+def address(t: torch.Tensor) -> int:
+    """The address of the memory a replay reads for ``t``: its ``data_ptr()``, or its
+    local tensor's for a ``DTensor`` (a wrapper without storage, whose own
+    ``data_ptr()`` is 0 on every DTensor: FSDP2's parameters, gradients and optimizer
+    state)."""
+    if t.__class__ in _PLAIN:
+        return int(t.data_ptr())
+    inner = local_tensor(t)
+    return int((inner if inner is not None else t).data_ptr())
+
+
+# --- torch.distributed: DDP's timer logging, FSDP2's state, the ranks' agreement --------------------------
 
 
 def set_ddp_runtime_logging_sample_rate(ddp: torch.nn.Module, rate: int) -> None:
@@ -129,6 +165,55 @@ def set_ddp_runtime_logging_sample_rate(ddp: torch.nn.Module, rate: int) -> None
     setter = getattr(ddp, "_set_ddp_runtime_logging_sample_rate", None)
     if setter is not None and getattr(ddp, "reducer", None) is not None:
         setter(rate)
+
+
+def is_fsdp2_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` was sharded with FSDP2's ``fully_shard`` (its class became
+    ``FSDP<Class>``, an ``FSDPModule``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _fsdp2_state(module: torch.nn.Module) -> Any:
+    get = getattr(module, "_get_fsdp_state", None)
+    return get() if get is not None else None
+
+
+def fsdp2_comm_streams(module: torch.nn.Module) -> list[Any]:
+    """The side streams FSDP2 runs ``module``'s collectives on: the all-gather copy-in,
+    all-gather, reduce-scatter and all-reduce streams it makes at its lazy init (the
+    root's, shared by every module under it), and a user's all-reduce hook stream;
+    empty before the first forward."""
+    state = _fsdp2_state(module)
+    if state is None:
+        return []
+    ctx = getattr(state, "_comm_ctx", None)
+    names = ("all_gather_copy_in_stream", "all_gather_stream", "reduce_scatter_stream")
+    streams = [getattr(ctx, n, None) for n in (*names, "all_reduce_stream")]
+    group = getattr(state, "_fsdp_param_group", None)
+    streams.append(getattr(group, "_all_reduce_hook_stream", None))
+    return [s for s in streams if s is not None]
+
+
+def fsdp2_offloads(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s FSDP2 parameters are offloaded to the host
+    (``fully_shard(..., offload_policy=CPUOffloadPolicy())``)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    state = _fsdp2_state(module)
+    group = getattr(state, "_fsdp_param_group", None)
+    return isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy)
+
+
+def fsdp2_post_optim_event(module: torch.nn.Module) -> Any:
+    """The event ``module.set_post_optim_event(event)`` left for FSDP2's next root
+    forward to wait on (``None``: the forward waits on the current stream)."""
+    state = _fsdp2_state(module)
+    ctx = getattr(state, "_state_ctx", None)
+    return getattr(ctx, "post_optim_event", None)
 
 
 def distributed_initialized() -> bool:
