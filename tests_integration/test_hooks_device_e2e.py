@@ -180,6 +180,57 @@ def test_checkpointed_sdpa_places_fp8_hooks_compiles_once_and_matches_eager(
         assert op in forward, forward
 
 
+FP8_MAX = 448.0
+
+
+def amax_fp8_pack(t: torch.Tensor) -> Any:
+    """fp8 with a scale from the tensor's own amax, applied to *every* saved tensor,
+    integer ones included (as a hook written without a dtype check does)."""
+    scale = t.abs().amax().float().clamp(min=1e-12) / FP8_MAX
+    return (t.dtype, (t / scale).to(FP8), scale)
+
+
+def amax_fp8_unpack(p: Any) -> torch.Tensor:
+    dtype, q, scale = p
+    return (q.to(torch.float32) * scale).to(dtype)  # type: ignore[no-any-return]
+
+
+class Attention(CheckpointedAttention):
+    """The same blocks without checkpointing: the attention op's own saved outputs
+    (on CUDA its dropout seed and offset, CPU scalars at run time) reach the hooks."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            h = self.attention(h)
+            h = h + self.down(nn.functional.silu(self.up(h)))
+        return h
+
+
+@pytest.mark.parametrize(("device", "backend", "dtype", "op"), SDPA_CASES)
+def test_hooks_that_pack_every_saved_tensor_run_with_the_attention_ops_seed_and_offset(
+    device: str, backend: SDPBackend, dtype: torch.dtype, op: str | None
+) -> None:
+    # The CUDA attention ops save their philox seed and offset, whose fake device (the
+    # query's) is not their run-time one (a CPU scalar): packed in the graph, Inductor
+    # passed the CPU scalar to a Triton kernel ("CUDA driver error: invalid argument").
+    width, heads, batch, seq = (256, 4, 2, 128) if device == "cuda" else (64, 4, 2, 32)
+    model = Attention(width, heads).to(device=device, dtype=dtype)
+    options = {"codegen": "eager"} if device == "cpu" else {}
+    compiled = torch.compile(model, backend="loom", options=options)
+    torch.manual_seed(1)
+    pair = (amax_fp8_pack, amax_fp8_unpack)
+    with sdpa_kernel([backend]):
+        for x in [torch.randn(batch, seq, width, device=device, dtype=dtype) for _ in range(2)]:
+            err = _rel_err(_step(compiled, model, [x], [pair]), _step(model, model, [x], [pair]))
+            assert err < (0.1 if dtype == torch.bfloat16 else 6e-2), err
+    assert _frames() == 1, torchloom.report().format()
+    (placed,) = _entries("placed")
+    assert placed.get("packed") and not _entries("refused") and not _entries("eager")
+    kept = set(dict(placed.get("kept") or ()).values())
+    seeds = "attention's dropout seed or offset (device known at run time)"
+    assert (seeds in kept) == (op is not None and device == "cuda"), kept
+
+
 # -- per-call hook values under CUDA graphs --------------------------------------------
 
 

@@ -475,3 +475,22 @@ def _aliases_read(node: torch.fx.Node, base: torch.fx.Node) -> set[torch.fx.Node
             arg = arg.args[0]  # type: ignore[assignment]
         found.add(arg)
     return found
+
+
+def test_attention_seed_and_offset_are_told_from_the_attention_outputs() -> None:
+    # Their run-time device (a CPU scalar) is not their fake one: the placement keeps them.
+    from loom_hops._torch_compat import is_sdpa_philox_output
+
+    graph = torch.fx.Graph()
+    q, k, v = (graph.placeholder(n) for n in "qkv")
+    aten = torch.ops.aten
+    eff = graph.call_function(aten._scaled_dot_product_efficient_attention.default, (q, k, v))
+    flash = graph.call_function(aten._scaled_dot_product_flash_attention.default, (q, k, v))
+    picked = {
+        (name, i): graph.call_function(operator.getitem, (op, i))
+        for name, op, n in (("eff", eff, 4), ("flash", flash, 9))
+        for i in range(n)
+    }
+    seeds = {key for key, node in picked.items() if is_sdpa_philox_output(node)}
+    assert seeds == {("eff", 2), ("eff", 3), ("flash", 6), ("flash", 7)}
+    assert not is_sdpa_philox_output(q) and not is_sdpa_philox_output(eff)

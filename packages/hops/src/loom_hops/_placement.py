@@ -33,6 +33,7 @@ from loom_hops._torch_compat import (
     fake_mode_of,
     in_checkpointed_region,
     is_rng_state_output,
+    is_sdpa_philox_output,
     is_sym_node,
     is_view_op,
     statically_known_true,
@@ -555,6 +556,15 @@ def _trace_saved(
             # NOTE: eager checkpointing keeps the RNG state of a recomputed op in Python,
             # outside autograd: no hook sees it.
             kept.append((node.name, "RNG state of an op recomputed in backward"))
+            continue
+        if is_sdpa_philox_output(node):
+            # NOTE: eager packs it, but its device is known only when the op runs (a
+            # CPU scalar, or a CUDA tensor under capture) and the graph's example says
+            # the query's: a pack compiled for that device fails on the CPU scalar.
+            # Kept unpacked: a few bytes, read only by the attention's backward.
+            kept.append(
+                (node.name, "attention's dropout seed or offset (device known at run time)")
+            )
             continue
         if node.meta.get("saved_tensor_with_no_vc_check", False):
             kept.append((node.name, "saved without a version check by an autograd.Function"))

@@ -49,6 +49,7 @@ __all__ = [
     "in_compiled_autograd",
     "install_dynamo_guard",
     "is_rng_state_output",
+    "is_sdpa_philox_output",
     "is_sym_node",
     "is_symbolic",
     "is_torch_op",
@@ -263,6 +264,43 @@ def is_rng_state_output(node: torch.fx.Node) -> bool:
         and source.op == "call_function"
         and source.target is run_and_save_rng_state
     )
+
+
+def _sdpa_philox_outputs() -> dict[Any, frozenset[int]]:
+    """Attention ops whose outputs include the dropout RNG's seed and offset, by index."""
+    aten = torch.ops.aten
+    table: dict[str, frozenset[int]] = {
+        "_scaled_dot_product_flash_attention": frozenset({6, 7}),
+        "_scaled_dot_product_cudnn_attention": frozenset({6, 7}),
+        "_scaled_dot_product_efficient_attention": frozenset({2, 3}),
+        "_flash_attention_forward": frozenset({2, 3}),
+        "_efficient_attention_forward": frozenset({2, 3}),
+    }
+    return {getattr(aten, name).default: idx for name, idx in table.items() if hasattr(aten, name)}
+
+
+_SDPA_PHILOX: dict[Any, frozenset[int]] | None = None
+
+
+def is_sdpa_philox_output(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is the philox seed or offset an attention op returns for its backward.
+
+    Their device is decided when the op runs: a CPU scalar without dropout or outside
+    a CUDA-graph capture, a CUDA tensor inside one. PyTorch's meta functions return
+    them on ``meta`` ("Note [Seed and Offset]" in ``_meta_registrations.py``) and fake
+    tensors then put them on the query's device, so a graph op fed one is compiled
+    for a device the tensor may not be on (Inductor passes the CPU scalar to a Triton
+    kernel as a pointer: "CUDA driver error: invalid argument").
+    """
+    global _SDPA_PHILOX
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    source, index = node.args[0], node.args[1]
+    if not isinstance(source, torch.fx.Node) or source.op != "call_function":
+        return False
+    if _SDPA_PHILOX is None:
+        _SDPA_PHILOX = _sdpa_philox_outputs()
+    return index in _SDPA_PHILOX.get(source.target, ())
 
 
 def in_checkpointed_region(node: torch.fx.Node) -> bool:
