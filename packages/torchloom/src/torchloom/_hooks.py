@@ -430,12 +430,14 @@ def wrap_hooks_runtime(
         # NOTE: the guard let in a pair equal by content: its state gets the effects,
         # and its closure gives the values the hooks read (a per-step scale).
         active = loom_hops.active_saved_tensors_hooks() or pair
-        token = _HOOK_VALUES.set(tuple(value.read(active) for value in lifted))
+        # NOTE: hooks that read no per-call value (most) skip the context variable.
+        token = _HOOK_VALUES.set(tuple(value.read(active) for value in lifted)) if lifted else None
         try:
             with loom_hops.eager_saved_tensors_hooks_disabled():
                 out = fn(*args)
         finally:
-            _HOOK_VALUES.reset(token)
+            if token is not None:
+                _HOOK_VALUES.reset(token)
         if placement is not None and placement.pack_effects and torch.is_grad_enabled():
             for replay in placement.pack_effects:
                 replay(active)
