@@ -306,17 +306,26 @@ def autocast_refusal(fn: Callable[..., Any]) -> StepUnsupported | None:
     )
 
 
-def sync_refusal(stack: Sequence[traceback.FrameSummary]) -> StepUnsupported | None:
-    """A host synchronization seen at warm-up (``stack`` outermost first), or
-    ``None`` when it came from compile machinery (autotuning)."""
-    if any(part in frame.filename for frame in stack for part in _COMPILE_PARTS):
-        return None
+def _frames_of(
+    stack: Sequence[traceback.FrameSummary],
+) -> tuple[traceback.FrameSummary | None, str, traceback.FrameSummary | None, str]:
+    """The user's frame in ``stack`` and its source line, the library frame nearest the
+    failure and its description (empty strings where there is none)."""
     frame = user_frame(stack)
     line = ""
     if frame is not None:
         line = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
     library = library_frame(stack)
     origin = describe_frame(library) if library is not None else ""
+    return frame, line, library, origin
+
+
+def sync_refusal(stack: Sequence[traceback.FrameSummary]) -> StepUnsupported | None:
+    """A host synchronization seen at warm-up (``stack`` outermost first), or
+    ``None`` when it came from compile machinery (autotuning)."""
+    if any(part in frame.filename for frame in stack for part in _COMPILE_PARTS):
+        return None
+    frame, line, library, origin = _frames_of(stack)
     hint = (
         "keep .item(), .cpu(), .tolist() and printing of tensors out of the step; "
         "return the tensor and read it after the call"
@@ -354,13 +363,7 @@ def capture_refusal(fn: Callable[..., Any], exc: BaseException, hint: str) -> St
     """A capture that raised: the user's line the exception passed through (``where``
     and ``op``), the library frame that raised it (``origin``: the collective, the
     stream wait, ``torch.cuda.graph``'s end), and ``hint``, or a known frame's own."""
-    stack = traceback.extract_tb(exc.__traceback__)
-    frame = user_frame(stack)
-    line = ""
-    if frame is not None:
-        line = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
-    library = library_frame(stack)
-    origin = describe_frame(library) if library is not None else ""
+    frame, line, library, origin = _frames_of(traceback.extract_tb(exc.__traceback__))
     known = _LIBRARY_CAPTURE_HINTS.get(_short_path(library.filename)) if library else None
     if known is not None:
         hint = f"{known}; {hint}"
