@@ -24,7 +24,9 @@ export PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1 TORCHLOOM_CHECKS=1
 # writable bytecode cache every fresh process (the benchmarks' cold and warm
 # starts) compiles torch's imported sources anew, seconds that an installed torch
 # never pays. Cache them where a user's machine would have them.
+# The image also sets PYTHONDONTWRITEBYTECODE=1, under which nothing is cached at all.
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$SITE/pycache}
+unset PYTHONDONTWRITEBYTECODE
 export BENCH_OUT="$OUT"
 status=0
 
