@@ -185,10 +185,20 @@ def smoke(session: nox.Session, torch_version: str) -> None:
 
 
 _COMPILE_TORCH = """
-import compileall, importlib.util, os, sys
-torch = os.path.dirname(importlib.util.find_spec("torch").origin)
-for folder in (torch, *sys.argv[1:]):
+import compileall, importlib.util, os, sys, tempfile
+torch_dir = os.path.dirname(importlib.util.find_spec("torch").origin)
+for folder in (torch_dir, *sys.argv[1:]):
     assert compileall.compile_dir(folder, quiet=1, workers=0), folder
+# What a compile imports beyond torch (networkx, sympy, jinja2, triton, the standard
+# library: the environment's bytecode prefix holds none of it yet): one small
+# training step under each backend, on throwaway caches, writes it.
+with tempfile.TemporaryDirectory() as tmp:
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHLOOM_CACHE_DIR"):
+        os.environ[var] = os.path.join(tmp, var)
+    import torch, torchloom
+    for backend in ("inductor", "loom"):
+        x = torch.randn(4, 8, requires_grad=True)
+        torch.compile(lambda x: (x.relu() * 2).sum(), backend=backend)(x).backward()
 """
 
 
@@ -205,8 +215,9 @@ def bench_default(session: nox.Session) -> None:
     # shortens the session, not a span.
     env = {"PYTHONHASHSEED": seed, **VEC_ISA, **_bytecode_env(session)}
     # Every process it times reads compiled bytecode, the first cold one too (else
-    # it alone would compile torch's compiler sources inside its span): torch's and
-    # the workspace's sources first, as an install with bytecode has them (~10 s).
+    # it alone would compile the compiler's sources inside its span, 8 s of the cold
+    # Inductor run's 20 s): torch's and the workspace's sources first, as an install
+    # with bytecode has them, then what a compile imports (~20 s).
     session.run("python", "-c", _COMPILE_TORCH, *(f"packages/{f}/src" for f in PACKAGES), env=env)
     session.run(
         "python",
