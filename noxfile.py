@@ -61,9 +61,35 @@ def _sync(session: nox.Session, *args: str) -> None:
     session.run_install("uv", "sync", "--locked", *groups, env=env)
 
 
-def _pytest_env() -> dict[str, str]:
+def _bytecode_env(session: nox.Session) -> dict[str, str | None]:
+    """Python writes the bytecode it compiles into the session's environment.
+
+    Most of CI's time is fresh processes (pytest-xdist workers, the tests' child
+    processes, torchrun ranks, the benchmark's cold and warm starts); each imports
+    torch. Where ``PYTHONDONTWRITEBYTECODE`` is set (the shared CI machines set it) and the
+    environment holds no ``.pyc`` (uv installs none), every one of them compiled
+    torch's imported sources anew: ``import torch, torchloom`` took 6 s instead of
+    3 s, a CPU Inductor process's start 21 s instead of 9 s. The first process of a
+    session writes them, under the environment's own folder (nothing lands in the
+    tree), and the others read them, as on a user's machine (``scripts/gpu_tier.sh``
+    does the same)."""
+    pycache = os.path.join(session.virtualenv.location, "pycache")
+    return {"PYTHONDONTWRITEBYTECODE": None, "PYTHONPYCACHEPREFIX": pycache}
+
+
+#: Inductor's CPU ISA probe, once per process that compiles with Inductor on CPU:
+#: it compiles a test library into the process's Inductor cache (the tests' child
+#: processes each get an empty one) and loads it in a new Python process that imports
+#: torch, 8 s on a 2-core machine (5 s with the library cached; 1.6 s skipped). The
+#: sessions take the ISAs the CPU's flags name, as the probe finds them where the
+#: compiler builds for the CPU (torch._inductor.config.cpp.vec_isa_ok).
+VEC_ISA = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
+
+
+def _pytest_env(session: nox.Session) -> dict[str, str | None]:
     # Verifiers (graph lint, plan checks) run on every pass inside tests.
-    return {"TORCHLOOM_CHECKS": "1", "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
+    seed = os.environ.get("PYTHONHASHSEED", "0")
+    return {"TORCHLOOM_CHECKS": "1", "PYTHONHASHSEED": seed, **VEC_ISA, **_bytecode_env(session)}
 
 
 for _folder, _dist in PACKAGES.items():
@@ -77,7 +103,7 @@ for _folder, _dist in PACKAGES.items():
             "not gpu and not multigpu",
             *(PARALLEL if folder in PARALLEL_UNITS else ()),
             *session.posargs,
-            env=_pytest_env(),
+            env=_pytest_env(session),
         )
 
     nox.session(name=f"unit-{_folder}", python=PYTHON)(_unit)
@@ -101,7 +127,12 @@ def _install_release(session: nox.Session, torch_version: str, *extra: str) -> N
     install = ("uv", "pip", "install", "--no-config")
     session.run_install(*install, f"torch=={torch_version}", *TEST_DEPS, *extra)
     session.run_install(*install, "--no-deps", *members)
-    session.run("python", "-c", "import torch, torchloom; print('torch', torch.__version__)")
+    session.run(
+        "python",
+        "-c",
+        "import torch, torchloom; print('torch', torch.__version__)",
+        env=_bytecode_env(session),
+    )
 
 
 @nox.session(python=PYTHON)
@@ -109,7 +140,7 @@ def integration(session: nox.Session) -> None:
     """The backend end to end against eager, on CPU."""
     _sync(session, "--all-packages")
     session.run(
-        "pytest", "tests_integration", *MARKS, *PARALLEL, *session.posargs, env=_pytest_env()
+        "pytest", "tests_integration", *MARKS, *PARALLEL, *session.posargs, env=_pytest_env(session)
     )
 
 
@@ -133,10 +164,10 @@ def newest(session: nox.Session) -> None:
     _install_release(session, NEWEST_TORCH, "transformers>=4.46")
     units = [f"packages/{folder}/tests" for folder in PACKAGES]
     unit_marks = ("-m", f"{MARKS[1]} and not fresh_processes")
-    session.run("pytest", *units, *unit_marks, *PARALLEL, env=_pytest_env())
+    session.run("pytest", *units, *unit_marks, *PARALLEL, env=_pytest_env(session))
     corpus = ("tests_integration/test_corpus.py", "tests_integration/test_release_smoke.py")
     marks = ("-m", f"{MARKS[1]} and not inductor")
-    session.run("pytest", *corpus, *marks, *PARALLEL, *session.posargs, env=_pytest_env())
+    session.run("pytest", *corpus, *marks, *PARALLEL, *session.posargs, env=_pytest_env(session))
 
 
 @nox.session(python=PYTHON)
@@ -146,8 +177,29 @@ def smoke(session: nox.Session, torch_version: str) -> None:
     saved-tensor hooks in the graph and CUDA graphs requested, a cache hit."""
     _install_release(session, torch_version)
     session.run(
-        "pytest", "tests_integration/test_release_smoke.py", *session.posargs, env=_pytest_env()
+        "pytest",
+        "tests_integration/test_release_smoke.py",
+        *session.posargs,
+        env=_pytest_env(session),
     )
+
+
+_COMPILE_TORCH = """
+import compileall, importlib.util, os, sys, tempfile
+torch_dir = os.path.dirname(importlib.util.find_spec("torch").origin)
+for folder in (torch_dir, *sys.argv[1:]):
+    assert compileall.compile_dir(folder, quiet=1, workers=0), folder
+# What a compile imports beyond torch (networkx, sympy, jinja2, triton, the standard
+# library: the environment's bytecode prefix holds none of it yet): one small
+# training step under each backend, on throwaway caches, writes it.
+with tempfile.TemporaryDirectory() as tmp:
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHLOOM_CACHE_DIR"):
+        os.environ[var] = os.path.join(tmp, var)
+    import torch, torchloom
+    for backend in ("inductor", "loom"):
+        x = torch.randn(4, 8, requires_grad=True)
+        torch.compile(lambda x: (x.relu() * 2).sum(), backend=backend)(x).backward()
+"""
 
 
 @nox.session(name="bench-default", python=PYTHON)
@@ -158,6 +210,15 @@ def bench_default(session: nox.Session) -> None:
     Prints one table and appends nothing; the GPU tier runs the same script with
     its tight bounds."""
     _sync(session, "--all-packages")
+    seed = os.environ.get("PYTHONHASHSEED", "0")
+    # NOTE: the ISA probe runs before the timed span (both backends pay it): skipping it
+    # shortens the session, not a span.
+    env = {"PYTHONHASHSEED": seed, **VEC_ISA, **_bytecode_env(session)}
+    # Every process it times reads compiled bytecode, the first cold one too (else
+    # it alone would compile the compiler's sources inside its span, 8 s of the cold
+    # Inductor run's 20 s): torch's and the workspace's sources first, as an install
+    # with bytecode has them, then what a compile imports (~20 s).
+    session.run("python", "-c", _COMPILE_TORCH, *(f"packages/{f}/src" for f in PACKAGES), env=env)
     session.run(
         "python",
         "benchmarks/bench_default.py",
@@ -165,7 +226,7 @@ def bench_default(session: nox.Session) -> None:
         # may name others (``nox -s bench-default -- --workloads gpt_train``)
         *("--device", "cpu", "--quick", "--check", "--no-append"),
         *session.posargs,
-        env={"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")},
+        env=env,
     )
 
 

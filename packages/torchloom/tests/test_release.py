@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -55,6 +56,10 @@ def test_import_on_an_untested_release_warns_once_and_works() -> None:
         "print('ok')\n"
     )
     env = {"TORCHLOOM_CACHE": "0", "PATH": ""}
+    # NOTE: the caller's bytecode settings pass through (nox keeps the compiled
+    # sources in its environment; without them this process compiles torch anew).
+    keep = ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")
+    env.update({k: os.environ[k] for k in keep if k in os.environ})
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
     )
