@@ -66,7 +66,7 @@ def _bytecode_env(session: nox.Session) -> dict[str, str | None]:
 
     Most of CI's time is fresh processes (pytest-xdist workers, the tests' child
     processes, torchrun ranks, the benchmark's cold and warm starts); each imports
-    torch. Where ``PYTHONDONTWRITEBYTECODE`` is set (the shared CI machines set it) and the
+    torch. Where ``PYTHONDONTWRITEBYTECODE`` is set (this workplace's machines and the GPU image do) and the
     environment holds no ``.pyc`` (uv installs none), every one of them compiled
     torch's imported sources anew: ``import torch, torchloom`` took 6 s instead of
     3 s, a CPU Inductor process's start 21 s instead of 9 s. The first process of a
@@ -86,10 +86,16 @@ def _bytecode_env(session: nox.Session) -> dict[str, str | None]:
 VEC_ISA = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
 
 
+def _process_env(session: nox.Session) -> dict[str, str | None]:
+    """What every process a session starts gets: a fixed hash seed, Inductor's ISA
+    probe skipped, bytecode written into the session's environment."""
+    seed = os.environ.get("PYTHONHASHSEED", "0")
+    return {"PYTHONHASHSEED": seed, **VEC_ISA, **_bytecode_env(session)}
+
+
 def _pytest_env(session: nox.Session) -> dict[str, str | None]:
     # Verifiers (graph lint, plan checks) run on every pass inside tests.
-    seed = os.environ.get("PYTHONHASHSEED", "0")
-    return {"TORCHLOOM_CHECKS": "1", "PYTHONHASHSEED": seed, **VEC_ISA, **_bytecode_env(session)}
+    return {"TORCHLOOM_CHECKS": "1", **_process_env(session)}
 
 
 for _folder, _dist in PACKAGES.items():
@@ -210,10 +216,9 @@ def bench_default(session: nox.Session) -> None:
     Prints one table and appends nothing; the GPU tier runs the same script with
     its tight bounds."""
     _sync(session, "--all-packages")
-    seed = os.environ.get("PYTHONHASHSEED", "0")
     # NOTE: the ISA probe runs before the timed span (both backends pay it): skipping it
     # shortens the session, not a span.
-    env = {"PYTHONHASHSEED": seed, **VEC_ISA, **_bytecode_env(session)}
+    env = _process_env(session)
     # Every process it times reads compiled bytecode, the first cold one too (else
     # it alone would compile the compiler's sources inside its span, 8 s of the cold
     # Inductor run's 20 s): torch's and the workspace's sources first, as an install

@@ -144,27 +144,46 @@ SDPA_CASES = [
 ]
 
 
+def _compiled_attention(
+    cls: type[nn.Module], device: str, dtype: torch.dtype, steps: int
+) -> tuple[nn.Module, Any, list[torch.Tensor]]:
+    """An attention model of this device's size, its loom compile (eager codegen on
+    CPU, the defaults on CUDA) and ``steps`` inputs."""
+    width, heads, batch, seq = (256, 4, 2, 128) if device == "cuda" else (64, 4, 2, 32)
+    model = cls(width, heads).to(device=device, dtype=dtype)
+    options = {"codegen": "eager"} if device == "cpu" else {}
+    compiled = torch.compile(model, backend="loom", options=options)
+    torch.manual_seed(1)
+    xs = [torch.randn(batch, seq, width, device=device, dtype=dtype) for _ in range(steps)]
+    return model, compiled, xs
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 0.1 if dtype == torch.bfloat16 else 6e-2
+
+
+def _placed_in_one_compile() -> set[str]:
+    """One frame compiled, the hooks placed with nothing refused or left eager; the
+    reasons of the saved tensors the placement kept unpacked."""
+    assert _frames() == 1, torchloom.report().format()
+    (placed,) = _entries("placed")
+    assert placed.get("packed") and not _entries("refused") and not _entries("eager")
+    return set(dict(placed.get("kept") or ()).values())
+
+
 @pytest.mark.parametrize(("device", "backend", "dtype", "op"), SDPA_CASES)
 def test_checkpointed_sdpa_places_fp8_hooks_compiles_once_and_matches_eager(
     device: str, backend: SDPBackend, dtype: torch.dtype, op: str | None
 ) -> None:
-    width, heads, batch, seq = (256, 4, 2, 128) if device == "cuda" else (64, 4, 2, 32)
-    model = CheckpointedAttention(width, heads).to(device=device, dtype=dtype)
-    options = {"codegen": "eager"} if device == "cpu" else {}
-    compiled = torch.compile(model, backend="loom", options=options)
-    torch.manual_seed(1)
-    xs = [torch.randn(batch, seq, width, device=device, dtype=dtype) for _ in range(3)]
+    model, compiled, xs = _compiled_attention(CheckpointedAttention, device, dtype, 3)
     with sdpa_kernel([backend]):
         for step, x in enumerate(xs):
             pair = delayed_fp8(4.0 + step)  # a new pair and a new scale every step
             got = _step(compiled, model, [x], [pair])
             want = _step(model, model, [x], [pair])
             err = _rel_err(got, want)
-            assert err < (0.1 if dtype == torch.bfloat16 else 6e-2), (step, err)
-    assert _frames() == 1, torchloom.report().format()
-    (placed,) = _entries("placed")
-    assert placed.get("packed") and not _entries("refused") and not _entries("eager")
-    kept = set(dict(placed.get("kept")).values())
+            assert err < _tolerance(dtype), (step, err)
+    kept = _placed_in_one_compile()
     assert "parameter read only inside checkpointed regions" in kept
     forward = "\n".join(
         code for g in torchloom.report() for kind, code in g.graphs if kind == "forward+hooks"
@@ -218,20 +237,13 @@ def test_hooks_that_pack_every_saved_tensor_run_with_the_attention_ops_seed_and_
     # The CUDA attention ops save their philox seed and offset, whose fake device (the
     # query's) is not their run-time one (a CPU scalar): packed in the graph, Inductor
     # passed the CPU scalar to a Triton kernel ("CUDA driver error: invalid argument").
-    width, heads, batch, seq = (256, 4, 2, 128) if device == "cuda" else (64, 4, 2, 32)
-    model = Attention(width, heads).to(device=device, dtype=dtype)
-    options = {"codegen": "eager"} if device == "cpu" else {}
-    compiled = torch.compile(model, backend="loom", options=options)
-    torch.manual_seed(1)
+    model, compiled, xs = _compiled_attention(Attention, device, dtype, 2)
     pair = (amax_fp8_pack, amax_fp8_unpack)
     with sdpa_kernel([backend]):
-        for x in [torch.randn(batch, seq, width, device=device, dtype=dtype) for _ in range(2)]:
+        for x in xs:
             err = _rel_err(_step(compiled, model, [x], [pair]), _step(model, model, [x], [pair]))
-            assert err < (0.1 if dtype == torch.bfloat16 else 6e-2), err
-    assert _frames() == 1, torchloom.report().format()
-    (placed,) = _entries("placed")
-    assert placed.get("packed") and not _entries("refused") and not _entries("eager")
-    kept = set(dict(placed.get("kept") or ()).values())
+            assert err < _tolerance(dtype), err
+    kept = _placed_in_one_compile()
     seeds = "attention's dropout seed or offset (device known at run time)"
     assert (seeds in kept) == (op is not None and device == "cuda"), kept
 

@@ -559,8 +559,8 @@ def _trace_saved(
             continue
         if is_sdpa_philox_output(node):
             # NOTE: eager packs it, but its device is known only when the op runs (a
-            # CPU scalar, or a CUDA tensor under capture) and the graph's example says
-            # the query's: a pack compiled for that device fails on the CPU scalar.
+            # CPU scalar for memory-efficient attention outside a capture) and the
+            # graph's example says the query's: a pack compiled for that device fails.
             # Kept unpacked: a few bytes, read only by the attention's backward.
             kept.append(
                 (node.name, "attention's dropout seed or offset (device known at run time)")

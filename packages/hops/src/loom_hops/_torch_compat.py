@@ -9,6 +9,7 @@ for ``torch._`` outside this module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -266,6 +267,7 @@ def is_rng_state_output(node: torch.fx.Node) -> bool:
     )
 
 
+@functools.cache
 def _sdpa_philox_outputs() -> dict[Any, frozenset[int]]:
     """Attention ops whose outputs include the dropout RNG's seed and offset, by index."""
     aten = torch.ops.aten
@@ -279,28 +281,24 @@ def _sdpa_philox_outputs() -> dict[Any, frozenset[int]]:
     return {getattr(aten, name).default: idx for name, idx in table.items() if hasattr(aten, name)}
 
 
-_SDPA_PHILOX: dict[Any, frozenset[int]] | None = None
-
-
 def is_sdpa_philox_output(node: torch.fx.Node) -> bool:
     """Whether ``node`` is the philox seed or offset an attention op returns for its backward.
 
-    Their device is decided when the op runs: a CPU scalar without dropout or outside
-    a CUDA-graph capture, a CUDA tensor inside one. PyTorch's meta functions return
-    them on ``meta`` ("Note [Seed and Offset]" in ``_meta_registrations.py``) and fake
-    tensors then put them on the query's device, so a graph op fed one is compiled
-    for a device the tensor may not be on (Inductor passes the CPU scalar to a Triton
-    kernel as a pointer: "CUDA driver error: invalid argument").
+    Their device is decided when the op runs, and differs by op and build: memory-
+    efficient attention returns CPU scalars without dropout or outside a CUDA-graph
+    capture, flash attention (torch 2.11) a uint64 CUDA tensor. PyTorch's meta
+    functions return them on ``meta`` ("Note [Seed and Offset]" in
+    ``_meta_registrations.py``) and fake tensors then put them on the query's device,
+    so a graph op fed one is compiled for a device the tensor may not be on (Inductor
+    passes the CPU scalar to a Triton kernel as a pointer: "CUDA driver error:
+    invalid argument").
     """
-    global _SDPA_PHILOX
     if node.op != "call_function" or node.target is not operator.getitem:
         return False
     source, index = node.args[0], node.args[1]
     if not isinstance(source, torch.fx.Node) or source.op != "call_function":
         return False
-    if _SDPA_PHILOX is None:
-        _SDPA_PHILOX = _sdpa_philox_outputs()
-    return index in _SDPA_PHILOX.get(source.target, ())
+    return index in _sdpa_philox_outputs().get(source.target, ())
 
 
 def in_checkpointed_region(node: torch.fx.Node) -> bool:

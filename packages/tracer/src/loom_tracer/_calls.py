@@ -20,7 +20,7 @@ from ._context import TraceContext, operand
 from ._frame import inline_call
 from ._kinds import is_const, is_symbolic
 from ._operators import binary_op, get_item, truthy
-from ._process_constants import describe_call, is_foldable_result, process_constant_name
+from ._process_constants import describe_call, process_constant_name
 from ._refusal import TraceRefusalKind, refuse
 from ._values import (
     ConstV,
@@ -224,7 +224,7 @@ def _fold_process_constant(
     no_kwargs(name, kwargs)
     values = tuple(python_value(ctx, a) for a in args)
     result = python_op(fn, *values)
-    if not is_foldable_result(result):
+    if not is_const(result):  # immutable data only: a bool, an int, a tuple of them
         raise refuse(
             TraceRefusalKind.UNSUPPORTED_CALL, f"{name} returned a {type(result).__qualname__}"
         )

@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from ._kinds import is_const
-
 #: Dotted names under ``torch``; a name this torch lacks is skipped.
 PROCESS_CONSTANT_NAMES: tuple[str, ...] = (
     "accelerator.is_available",
@@ -75,8 +73,3 @@ def process_constant_name(fn: object) -> str | None:
 def describe_call(name: str, args: tuple[Any, ...], result: Any) -> str:
     """The text recorded for one folded call (stable across processes: constants only)."""
     return f"{name}({', '.join(repr(a) for a in args)}) -> {result!r}"
-
-
-def is_foldable_result(result: object) -> bool:
-    """What a folded call may give: immutable data (a bool, an int, a tuple of them)."""
-    return is_const(result)
