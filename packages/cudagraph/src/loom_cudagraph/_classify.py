@@ -15,8 +15,9 @@ from typing import Any
 import torch
 import torch.fx
 
+from loom_cudagraph._collectives import collective_refusal, is_collective
 from loom_cudagraph._reasons import CudagraphRefusalKind, Unsupported
-from loom_cudagraph._registry import lookup_rule, op_name
+from loom_cudagraph._registry import op_name, registered_rule
 from loom_cudagraph._torch_compat import OpOverload, free_unbacked_symbols
 from loom_sidefx import user_frame
 
@@ -108,11 +109,15 @@ def _mutates_placeholder_storage(node: torch.fx.Node) -> bool:
     return isinstance(first, torch.fx.Node) and first.op == "placeholder"
 
 
-def classify_node(node: torch.fx.Node, device: torch.device | None) -> Unsupported | None:
+def classify_node(
+    node: torch.fx.Node, device: torch.device | None, *, capture_collectives: bool = True
+) -> Unsupported | None:
     """``None`` when ``node`` can be captured on ``device``, else why not.
 
     ``device`` is the device whose work is captured (the graph's CUDA device;
-    tests pass ``cpu`` to plan a host graph for :class:`HostCapturer`).
+    tests pass ``cpu`` to plan a host graph for :class:`HostCapturer`). A
+    collective is captured when its process group uses NCCL and its wait is in
+    the graph (``capture_collectives=False`` refuses every collective).
 
     >>> classify_node(nonzero_node, torch.device("cuda", 0)).kind  # doctest: +SKIP
     <CudagraphRefusalKind.DATA_DEPENDENT_SHAPE: 'data_dependent_shape'>
@@ -128,7 +133,9 @@ def classify_node(node: torch.fx.Node, device: torch.device | None) -> Unsupport
         work = touches_device(node, device) if cuda_work is None else cuda_work
         return Unsupported(kind, where, explanation, hint, name, work)
 
-    rule = lookup_rule(node.target)
+    rule = registered_rule(node.target)
+    if rule is None and is_collective(node.target):
+        rule = collective_refusal(node, device, capture_collectives)
     if rule is not None:
         return refuse(rule.kind, rule.explanation, rule.hint)
     if isinstance(node.target, OpOverload):
