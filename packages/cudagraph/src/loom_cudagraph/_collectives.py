@@ -246,12 +246,19 @@ def unpaired(
 
 
 def capturable_groups(device_type: str) -> tuple[str, ...]:
-    """``name:backend`` of every process group of this process, for ``device_type``
-    (what decides which collectives are captured; a cache key reads it)."""
-    described = []
+    """The names of this process's groups whose collectives are captured on
+    ``device_type`` (their backend is NCCL), sorted: with the group names a graph
+    holds, what decides which of its collectives are captured (a cache key reads it).
+
+    >>> capturable_groups("cuda")  # doctest: +SKIP
+    ('0',)
+    """
+    found = []
     for name in process_group_names():
         try:
-            described.append(f"{name}:{process_group_backend(name, device_type)}")
+            backend = process_group_backend(name, device_type)
         except LookupError:
-            described.append(f"{name}:none")
-    return tuple(described)
+            continue
+        if backend in CAPTURABLE_BACKENDS:
+            found.append(name)
+    return tuple(found)
