@@ -1,7 +1,9 @@
 """The registry of operators that must run outside a CUDA graph.
 
-Built-in rules (sync ops, data-dependent shapes, collectives, RNG-state
-wrappers) sit beside user rules added with :func:`mark_non_capturable`. An
+Built-in rules (sync ops, data-dependent shapes, RNG-state wrappers) sit
+beside user rules added with :func:`mark_non_capturable`; collectives are
+decided by their process group (``_collectives``), with :func:`collective_rule`
+for those left outside whatever their group. An
 operator is named by its qualified overload name (``"aten.nonzero.default"``)
 or its packet name (``"mylib.my_op"``, matching every overload). Ops that
 carry ``torch.Tag.cudagraph_unsafe`` (for example through
