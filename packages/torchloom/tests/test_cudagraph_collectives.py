@@ -116,3 +116,48 @@ def test_the_capturable_groups_enter_the_cache_key(
     missed = cache()
     assert missed.startswith("miss") and "capturable_groups" in missed, missed
     assert cache().startswith("hit")
+
+
+class _Sharded(torch.nn.Module):
+    """Three layers on weights all-gathered (with autograd: the backward
+    reduce-scatters each weight's gradient) from parameter shards, as FSDP2 does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shards = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for shard in self.shards:
+            w = funcol.all_gather_tensor_autograd(shard, 0, dist.group.WORLD)
+            x = torch.tanh(x @ w.T)
+        return x.square().mean()
+
+
+def test_a_training_step_captures_the_gathers_and_reduce_scatters_in_one_segment_each(
+    host: loom_cudagraph.HostCapturer, gloo_capturable: None
+) -> None:
+    torch.manual_seed(0)
+    model, ref = _Sharded(), _Sharded()
+    ref.load_state_dict(model.state_dict())
+    backend = Pipeline(capturer=host, cudagraph_device="cpu")
+    compiled = torch.compile(model, backend=backend, options=CG)
+    for _ in range(4):
+        x = torch.randn(3, WIDTH)
+        loss, want = compiled(x), ref(x)
+        loss.backward()
+        want.backward()
+        torch.testing.assert_close(loss, want)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+            p.grad, q.grad = None, None
+        del loss
+    (record,) = torchloom.report()
+    for graph, collective in (("forward", "all_gather"), ("backward", "reduce_scatter")):
+        plan = record.plan(f"cudagraph.{graph}")
+        assert [s.captured for s in plan.segments] == [True], plan.summary()
+        (segment,) = plan.segments
+        assert any(n.startswith(collective) for n in segment.nodes), segment.nodes
+        assert any(n.startswith("wait_tensor") for n in segment.nodes)
+    assert not [e for e in torchloom.report().entries("cudagraph") if e.kind == "skip"]
