@@ -449,3 +449,56 @@ def test_output_dropped_at_recording_but_held_later_is_not_overwritten() -> None
     y2, _ = compiled(torch.randn(32, 64, device=CUDA))
     y2.sum().backward()
     torch.testing.assert_close(h, want)  # still intact after one more step
+
+
+# --- collectives: a 1-rank NCCL group's all-gather and all-reduce inside the graph -------
+
+
+@pytest.fixture
+def nccl_group() -> Iterator[Any]:
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        pytest.fail("the gpu tier needs NCCL")
+    dist.init_process_group(
+        "nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device(CUDA, 0)
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        torchloom.reset()
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("codegen", ["inductor", "eager"])
+def test_nccl_collectives_are_captured_with_the_compute(nccl_group: Any, codegen: str) -> None:
+    """Functional collectives of an NCCL group and their waits record into the graph
+    (one segment, no skip) and replay equal to eager; with the option off they stay
+    outside, each a ``collective`` skip."""
+    import torch.distributed._functional_collectives as funcol
+
+    def f(x: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor) -> torch.Tensor:
+        for shard in (s0, s1):
+            w = funcol.all_gather_tensor(shard, 0, nccl_group)
+            x = torch.tanh(x @ w.T)
+        return funcol.all_reduce(x, "sum", nccl_group)
+
+    shards = [torch.randn(64, 64, device=CUDA) / 8 for _ in range(2)]
+    compiled = _compile(f, codegen=codegen)
+    for _ in range(5):
+        x = torch.randn(16, 64, device=CUDA)
+        torch.testing.assert_close(compiled(x, *shards), f(x, *shards))
+    assert [captured for _, captured in _segments()] == [True]
+    assert loom_cudagraph.skip_counts() == {}
+    (seg,) = _stats()
+    assert seg.recordings == 1 and seg.replays >= 3
+
+    torch._dynamo.reset()
+    torchloom.reset()
+    off = _compile(f, codegen=codegen, cudagraph_capture_collectives=False)
+    for _ in range(3):
+        x = torch.randn(16, 64, device=CUDA)
+        torch.testing.assert_close(off(x, *shards), f(x, *shards))
+    kinds = loom_cudagraph.skip_counts()
+    assert kinds.get(loom_cudagraph.CudagraphRefusalKind.COLLECTIVE, 0) >= 3, kinds

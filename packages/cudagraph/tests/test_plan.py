@@ -376,6 +376,40 @@ def test_cpu_scalar_constant_is_captured_but_cpu_scalar_input_is_not() -> None:
     assert reason is not None and reason.kind is CudagraphRefusalKind.CPU_TENSOR
 
 
+@pytest.mark.parametrize(("dropout", "captured"), [(0.0, True), (0.1, False)])
+def test_attention_backward_with_cpu_seed_is_captured_only_without_dropout(
+    dropout: float, captured: bool
+) -> None:
+    """Memory-efficient attention hands its dropout seed and offset to the backward
+    as CPU scalars (FSDP2's compiled-autograd backward reads them as inputs). With
+    ``dropout_p == 0`` the kernel never reads them, so the op is captured; with
+    dropout on, the seed would be frozen into the graph, so it is not."""
+    q = ((1, 2, 8, 16), CUDA)
+    _, (grad, query, key, value, out) = fake_inputs(q, q, q, q, q)
+    _, (lse,) = fake_inputs(((1, 2, 32), CUDA))
+    _, (seed, offset) = fake_inputs(((), "cpu"), ((), "cpu"))
+    g = torch.fx.Graph()
+    nodes = []
+    for name, val in [
+        ("grad", grad), ("q", query), ("k", key), ("v", value), ("out", out),
+        ("lse", lse), ("seed", seed), ("offset", offset),
+    ]:  # fmt: skip
+        n = g.placeholder(name)
+        n.meta["val"] = val
+        nodes.append(n)
+    gr, qn, kn, vn, on, ln, sn, offn = nodes
+    op = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+    bw = g.call_function(
+        op, (gr, qn, kn, vn, None, on, ln, sn, offn, dropout, [True, True, True, False])
+    )
+    bw.meta["val"] = (query, key, value, None)
+    reason = classify_node(bw, torch.device("cuda", 0))
+    if captured:
+        assert reason is None
+    else:
+        assert reason is not None and reason.kind is CudagraphRefusalKind.CPU_TENSOR
+
+
 def test_collectives_stay_in_program_order_between_the_layers_they_feed() -> None:
     """A collective moves above no node before it: an FSDP2-like graph (gather a
     layer's weight, then compute with it) keeps one layer's weight gathered at a

@@ -9,6 +9,7 @@ Two calls cover the pipeline::
 
 from loom_cudagraph._capture import Capturer, CudaCapturer, HostCapturer
 from loom_cudagraph._classify import classify_node, source_location
+from loom_cudagraph._collectives import capturable_groups
 from loom_cudagraph._options import OR_ERROR_ENV, CudagraphOptions
 from loom_cudagraph._plan import PartitionPlan, PlanError, SegmentPlan, plan_graph
 from loom_cudagraph._pool import MemoryPool
@@ -58,6 +59,7 @@ __all__ = [
     "__version__",
     "assemble_runtime",
     "build_runtime",
+    "capturable_groups",
     "classify_node",
     "compile_segments",
     "eager_segment_compiler",

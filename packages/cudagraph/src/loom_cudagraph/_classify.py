@@ -9,15 +9,21 @@ Tensors on the ``meta`` device do no work and never block capture.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
 import torch.fx
 
+from loom_cudagraph._collectives import collective_refusal, is_collective
 from loom_cudagraph._reasons import CudagraphRefusalKind, Unsupported
-from loom_cudagraph._registry import lookup_rule, op_name
-from loom_cudagraph._torch_compat import OpOverload, free_unbacked_symbols
+from loom_cudagraph._registry import op_name, registered_rule
+from loom_cudagraph._torch_compat import (
+    NO_ARGUMENT,
+    OpOverload,
+    free_unbacked_symbols,
+    named_argument,
+)
 from loom_sidefx import user_frame
 
 __all__ = ["classify_node", "first_use_source", "node_devices", "source_location", "touches_device"]
@@ -60,9 +66,11 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def _vals(node: torch.fx.Node) -> Iterator[Any]:
+def _vals(node: torch.fx.Node, skip: Collection[torch.fx.Node] = ()) -> Iterator[Any]:
     yield node.meta.get("val")
     for arg in node.all_input_nodes:
+        if arg in skip:
+            continue
         val = arg.meta.get("val")
         # NOTE: a 0-dim CPU constant (``get_attr``) has one value forever, so a
         # capture that bakes it in stays correct; a CPU scalar *input* would not.
@@ -71,9 +79,34 @@ def _vals(node: torch.fx.Node) -> Iterator[Any]:
         yield val
 
 
-def node_devices(node: torch.fx.Node) -> set[torch.device]:
-    """Devices of the tensors a node reads and writes, ``meta`` excluded."""
-    return {t.device for v in _vals(node) for t in _tensors(v) if t.device.type != "meta"}
+def node_devices(node: torch.fx.Node, skip: Collection[torch.fx.Node] = ()) -> set[torch.device]:
+    """Devices of the tensors a node reads and writes, ``meta`` excluded (and the
+    inputs in ``skip``)."""
+    return {t.device for v in _vals(node, skip) for t in _tensors(v) if t.device.type != "meta"}
+
+
+#: Schema arguments of the attention ops that carry dropout's random seed and offset.
+_SEED_ARGUMENTS = ("philox_seed", "philox_offset")
+
+
+def unread_seed_inputs(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The inputs an attention op passes as its dropout seed and offset
+    (``philox_seed``, ``philox_offset``) when its ``dropout_p`` is the constant 0.
+
+    NOTE: memory-efficient attention's forward returns its seed and offset as CPU
+    int64 scalars, and its backward takes them back; the kernels read them only
+    when dropout is on. With ``dropout_p == 0`` nothing reads them, so a capture
+    that holds them freezes nothing: they do not make the op a CPU op.
+    """
+    dropout = named_argument(node.target, node.args, node.kwargs, "dropout_p")
+    if dropout is NO_ARGUMENT or not isinstance(dropout, int | float) or dropout != 0:
+        return set()
+    found = set()
+    for name in _SEED_ARGUMENTS:
+        arg = named_argument(node.target, node.args, node.kwargs, name)
+        if isinstance(arg, torch.fx.Node):
+            found.add(arg)
+    return found
 
 
 def touches_device(node: torch.fx.Node, device: torch.device | None) -> bool:
@@ -108,11 +141,15 @@ def _mutates_placeholder_storage(node: torch.fx.Node) -> bool:
     return isinstance(first, torch.fx.Node) and first.op == "placeholder"
 
 
-def classify_node(node: torch.fx.Node, device: torch.device | None) -> Unsupported | None:
+def classify_node(
+    node: torch.fx.Node, device: torch.device | None, *, capture_collectives: bool = True
+) -> Unsupported | None:
     """``None`` when ``node`` can be captured on ``device``, else why not.
 
     ``device`` is the device whose work is captured (the graph's CUDA device;
-    tests pass ``cpu`` to plan a host graph for :class:`HostCapturer`).
+    tests pass ``cpu`` to plan a host graph for :class:`HostCapturer`). A
+    collective is captured when its process group uses NCCL and its wait is in
+    the graph (``capture_collectives=False`` refuses every collective).
 
     >>> classify_node(nonzero_node, torch.device("cuda", 0)).kind  # doctest: +SKIP
     <CudagraphRefusalKind.DATA_DEPENDENT_SHAPE: 'data_dependent_shape'>
@@ -128,7 +165,9 @@ def classify_node(node: torch.fx.Node, device: torch.device | None) -> Unsupport
         work = touches_device(node, device) if cuda_work is None else cuda_work
         return Unsupported(kind, where, explanation, hint, name, work)
 
-    rule = lookup_rule(node.target)
+    rule = registered_rule(node.target)
+    if rule is None and is_collective(node.target):
+        rule = collective_refusal(node, device, capture_collectives)
     if rule is not None:
         return refuse(rule.kind, rule.explanation, rule.hint)
     if isinstance(node.target, OpOverload):
@@ -161,8 +200,8 @@ def classify_node(node: torch.fx.Node, device: torch.device | None) -> Unsupport
         return refuse(
             CudagraphRefusalKind.INPUT_STORAGE_MUTATION, "set_ swaps a graph input's storage"
         )
-    devices = node_devices(node)
     target_type = device.type if device is not None else "cuda"
+    devices = node_devices(node, unread_seed_inputs(node) if target_type != "cpu" else ())
     if devices and all(d.type == "cpu" for d in devices) and target_type != "cpu":
         return refuse(CudagraphRefusalKind.CPU_TENSOR, "runs on the CPU", cuda_work=False)
     if any(d.type == "cpu" for d in devices) and target_type != "cpu":

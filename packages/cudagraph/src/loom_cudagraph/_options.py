@@ -29,6 +29,9 @@ class CudagraphOptions:
     min_segment_nodes: int = 1
     #: Distinct input shapes recorded per segment before it runs uncaptured.
     max_shapes: int = 8
+    #: Capture functional collectives of NCCL process groups (with their waits) inside
+    #: the graphs; ``False`` leaves every collective uncaptured (kind ``COLLECTIVE``).
+    capture_collectives: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_recording", "min_segment_nodes", "max_shapes"):

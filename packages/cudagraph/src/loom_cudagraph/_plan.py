@@ -26,8 +26,10 @@ from loom_cudagraph._classify import (
     source_location,
     touches_device,
 )
+from loom_cudagraph._collectives import is_launch, unpaired
 from loom_cudagraph._options import CudagraphOptions
 from loom_cudagraph._reasons import CudagraphRefusalKind, Unsupported
+from loom_cudagraph._registry import op_name
 from loom_cudagraph._torch_compat import OpOverload, is_mutable_op, mutated_args
 
 __all__ = ["PartitionPlan", "PlanError", "SegmentPlan", "plan_graph"]
@@ -265,6 +267,14 @@ class _Scheduler:
         self.nodes = nodes
         self.refusals = refusals
         self.level: dict[torch.fx.Node, int] = {}
+        #: collectives, uncaptured (kind COLLECTIVE) or captured launches
+        self.barriers = {n for n in nodes if self._is_barrier(n)}
+
+    def _is_barrier(self, n: torch.fx.Node) -> bool:
+        refusal = self.refusals.get(n)
+        if refusal is None:
+            return is_launch(n)
+        return refusal.kind is CudagraphRefusalKind.COLLECTIVE
 
     def _deps(self) -> dict[torch.fx.Node, list[torch.fx.Node]]:
         deps = {n: [a for a in n.all_input_nodes if a.op != "placeholder"] for n in self.nodes}
@@ -294,6 +304,8 @@ class _Scheduler:
         # graph would run first and every layer's unsharded parameters live at once,
         # as would every gradient before the first reduce-scatter; kept in program
         # order, segments follow the per-layer order FSDP2's memory plan relies on.
+        # A captured collective is one too (hoisted into an earlier segment, it would
+        # gather early all the same); its wait is not (it may join its collective).
         high = 0
         for n in self.nodes:
             floor = max((self.level[d] for d in deps[n] if d in self.level), default=0)
@@ -301,7 +313,7 @@ class _Scheduler:
                 self.level[n] = self.level[n.args[0]]  # type: ignore[index]
                 continue
             refusal = self.refusals.get(n)
-            if refusal is not None and refusal.kind is CudagraphRefusalKind.COLLECTIVE:
+            if n in self.barriers:
                 floor = max(floor, high)
             parity = 1 if refusal is not None else 0
             self.level[n] = level = floor if floor % 2 == parity else floor + 1
@@ -349,8 +361,8 @@ def plan_graph(
     calls = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     device = _capture_device(gm, example_inputs, device)
 
-    refusals = _classify(calls, device)
-    merged = _segments(calls, refusals, device, options, order)
+    refusals = _classify(calls, device, options)
+    merged = _paired_segments(calls, refusals, device, options, order)
     io = _segment_io([m[0] for m in merged], output_node, order)
     static = frozenset(static_input_indices)
     mutated = _mutated_inputs(merged)
@@ -401,12 +413,12 @@ _Draft = tuple[list[torch.fx.Node], bool, list[Unsupported]]
 
 
 def _classify(
-    calls: list[torch.fx.Node], device: torch.device | None
+    calls: list[torch.fx.Node], device: torch.device | None, options: CudagraphOptions
 ) -> dict[torch.fx.Node, Unsupported]:
     """Phase 1: why each node that cannot be captured cannot (every node without a device)."""
     refusals: dict[torch.fx.Node, Unsupported] = {}
     for n in calls:
-        reason = classify_node(n, device)
+        reason = classify_node(n, device, capture_collectives=options.capture_collectives)
         if reason is not None:
             refusals[n] = reason
     if device is None:
@@ -423,6 +435,39 @@ def _classify(
     return refusals
 
 
+def _paired_segments(
+    calls: list[torch.fx.Node],
+    refusals: dict[torch.fx.Node, Unsupported],
+    device: torch.device | None,
+    options: CudagraphOptions,
+    order: dict[torch.fx.Node, int],
+) -> list[_Draft]:
+    """Phase 2: :func:`_segments`, with each captured collective in the segment of its
+    waits: a collective or wait refused leaves its partners uncaptured too, and a pair
+    the schedule split is refused and the graph scheduled again (``refusals`` grows;
+    each round refuses at least one more node, so it ends)."""
+
+    def refuse(found: dict[torch.fx.Node, str]) -> None:
+        for n, why in found.items():
+            refusals[n] = Unsupported(
+                CudagraphRefusalKind.COLLECTIVE,
+                source_location(n),
+                why,
+                "",
+                op_name(n.target),
+                touches_device(n, device),
+            )
+
+    refuse(unpaired(calls, refusals.keys()))
+    while True:
+        merged = _segments(calls, refusals, device, options, order)
+        segment_of = {n: i for i, (seg, _, _) in enumerate(merged) for n in seg}
+        split = unpaired(calls, refusals.keys(), segment_of)
+        if not split:
+            return merged
+        refuse(split)
+
+
 def _segments(
     calls: list[torch.fx.Node],
     refusals: dict[torch.fx.Node, Unsupported],
@@ -430,7 +475,7 @@ def _segments(
     options: CudagraphOptions,
     order: dict[torch.fx.Node, int],
 ) -> list[_Draft]:
-    """Phase 2: nodes scheduled into alternating segments; segments too small to pay
+    """Nodes scheduled into alternating segments; segments too small to pay
     for capture demoted, then uncaptured neighbours merged."""
     levels = _Scheduler(calls, refusals).run()
     by_level: dict[int, list[torch.fx.Node]] = {}

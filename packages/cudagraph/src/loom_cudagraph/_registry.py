@@ -1,7 +1,9 @@
 """The registry of operators that must run outside a CUDA graph.
 
-Built-in rules (sync ops, data-dependent shapes, collectives, RNG-state
-wrappers) sit beside user rules added with :func:`mark_non_capturable`. An
+Built-in rules (sync ops, data-dependent shapes, RNG-state wrappers) sit
+beside user rules added with :func:`mark_non_capturable`; collectives are
+decided by their process group (``_collectives``), with :func:`collective_rule`
+for those left outside whatever their group. An
 operator is named by its qualified overload name (``"aten.nonzero.default"``)
 or its packet name (``"mylib.my_op"``, matching every overload). Ops that
 carry ``torch.Tag.cudagraph_unsafe`` (for example through
@@ -23,9 +25,11 @@ from loom_cudagraph._torch_compat import HigherOrderOperator, OpOverload, OpOver
 
 __all__ = [
     "OpRule",
+    "collective_rule",
     "lookup_rule",
     "mark_non_capturable",
     "op_name",
+    "registered_rule",
     "registered_rules",
     "unmark_non_capturable",
 ]
@@ -159,12 +163,10 @@ def registered_rules() -> Iterator[OpRule]:
     yield from merged.values()
 
 
-def lookup_rule(target: Any) -> OpRule | None:
-    """The rule that makes ``target`` non-capturable, or ``None``.
-
-    Order: user registry, built-in table, ``torch.Tag.cudagraph_unsafe``,
-    collective namespaces.
-    """
+def registered_rule(target: Any) -> OpRule | None:
+    """The rule of the user registry, the built-in table or ``torch.Tag.cudagraph_unsafe``
+    that makes ``target`` non-capturable, or ``None`` (collectives are decided apart,
+    ``loom_cudagraph._collectives``)."""
     name = op_name(target)
     packet = _packet_name(name)
     with _lock:
@@ -172,16 +174,36 @@ def lookup_rule(target: Any) -> OpRule | None:
             rule = table.get(name) or table.get(packet)
             if rule is not None:
                 return rule
-    if isinstance(target, OpOverload):
-        if torch.Tag.cudagraph_unsafe in target.tags:
-            return OpRule(
-                name, CudagraphRefusalKind.USER_MARKED, "the op carries torch.Tag.cudagraph_unsafe"
-            )
-        if target.namespace in COLLECTIVE_NAMESPACES:
-            return OpRule(
-                name,
-                CudagraphRefusalKind.COLLECTIVE,
-                "collectives run outside CUDA graphs in loom",
-                "keep collectives at segment boundaries; the compute around them is captured",
-            )
+    if isinstance(target, OpOverload) and torch.Tag.cudagraph_unsafe in target.tags:
+        return OpRule(
+            name, CudagraphRefusalKind.USER_MARKED, "the op carries torch.Tag.cudagraph_unsafe"
+        )
     return None
+
+
+def collective_rule(name: str) -> OpRule:
+    """The rule of a collective left outside CUDA graphs whatever its group
+    (``cudagraph_capture_collectives`` off)."""
+    return OpRule(
+        name,
+        CudagraphRefusalKind.COLLECTIVE,
+        "collectives run outside CUDA graphs in loom",
+        "keep collectives at segment boundaries; the compute around them is captured",
+    )
+
+
+def lookup_rule(target: Any) -> OpRule | None:
+    """The rule that makes ``target`` non-capturable whatever its arguments, or ``None``.
+
+    Order: user registry, built-in table, ``torch.Tag.cudagraph_unsafe``,
+    collective namespaces (every collective, as with ``cudagraph_capture_collectives``
+    off; the planner decides collectives by their group, ``_collectives``).
+    """
+    rule = registered_rule(target)
+    if (
+        rule is None
+        and isinstance(target, OpOverload)
+        and target.namespace in COLLECTIVE_NAMESPACES
+    ):
+        return collective_rule(op_name(target))
+    return rule

@@ -1,13 +1,14 @@
 """loom_cudagraph's only door to private torch APIs (pinned: torch 2.11).
 
-Operator classes, the storage use count that output-liveness checks read, and
-the fused copy used to fill static input buffers. A torch upgrade is a diff
+Operator classes, the storage use count that output-liveness checks read, the
+fused copy used to fill static input buffers, and the process groups that
+functional collectives name. A torch upgrade is a diff
 of this file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -15,6 +16,7 @@ from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 
 __all__ = [
     "HAS_NATIVE_DATA_PTRS_CHECK",
+    "NO_ARGUMENT",
     "HigherOrderOperator",
     "OpOverload",
     "OpOverloadPacket",
@@ -27,8 +29,11 @@ __all__ = [
     "is_mutable_op",
     "mark_boxed",
     "mutated_args",
+    "named_argument",
     "non_overlapping_and_dense",
     "non_owning_alias",
+    "process_group_backend",
+    "process_group_names",
     "storage_id",
     "storage_use_count",
     "storage_weak_ref",
@@ -168,8 +173,55 @@ def mutated_args(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> li
     return out
 
 
+#: ``named_argument``'s answer for an operator whose schema has no such argument.
+NO_ARGUMENT: Any = object()
+
+
+def named_argument(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any], name: str) -> Any:
+    """The value an operator call passes for its schema argument ``name``
+    (``NO_ARGUMENT`` when the schema has none; ``None`` when the call leaves it out)."""
+    if not isinstance(target, OpOverload):
+        return NO_ARGUMENT
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == name:
+            return args[i] if i < len(args) else kwargs.get(name)
+    return NO_ARGUMENT
+
+
 def non_overlapping_and_dense(t: torch.Tensor) -> bool:
     """Whether ``t`` covers its memory exactly once (so a same-strided copy is exact)."""
     from torch._prims_common import is_non_overlapping_and_dense_or_false
 
     return bool(is_non_overlapping_and_dense_or_false(t))
+
+
+def process_group_backend(group_name: str, device_type: str) -> str:
+    """The name of the backend (``"nccl"``, ``"gloo"``, ...) that the process group
+    registered as ``group_name`` (a functional collective's ``group_name`` argument)
+    uses for tensors of ``device_type``. :class:`LookupError` when torch.distributed is
+    not initialized, no group of this process has that name, or the group has no backend
+    for the device."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise LookupError("torch.distributed is not initialized in this process")
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        group = c10d._resolve_process_group(c10d.GroupName(group_name))  # type: ignore[attr-defined]
+        backend = group._get_backend(torch.device(device_type))
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise LookupError(str(exc)) from None
+    return str(backend.name()).lower()
+
+
+def process_group_names() -> tuple[str, ...]:
+    """The names of the process groups this process belongs to (sorted; none when
+    torch.distributed is not initialized)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ()
+    from torch.distributed import distributed_c10d as c10d
+
+    return tuple(sorted(str(name) for name in c10d._world.pg_names.values()))

@@ -173,6 +173,7 @@ def cudagraph_options(options: LoomOptions) -> loom_cudagraph.CudagraphOptions:
         max_recording=options.cudagraph_max_recording,
         min_segment_nodes=options.cudagraph_min_segment_nodes,
         max_shapes=options.cudagraph_max_shapes,
+        capture_collectives=options.cudagraph_capture_collectives,
     )
 
 
@@ -180,11 +181,18 @@ def cudagraph_settings(
     options: LoomOptions, capturer: loom_cudagraph.Capturer | None, device: str | None
 ) -> Mapping[str, Any] | None:
     """Everything beyond the options that decides the plans (the cache key's
-    ``cudagraph`` component): the effective options, the op registry and the
-    capturer; ``None`` without CUDA graphs."""
+    ``cudagraph`` component): the effective options, the op registry, the capturer
+    and, where collectives are captured, the process groups whose collectives can be
+    (a plan that captured an NCCL group's collectives must not serve a run whose group
+    of that name is gloo, nor the other way round); ``None`` without CUDA graphs."""
     if not options.cudagraphs:
         return None
+    groups: tuple[str, ...] = ()
+    if options.cudagraph_capture_collectives:
+        device_type = torch.device(device).type if device else "cuda"
+        groups = loom_cudagraph.capturable_groups(device_type)
     return {
+        "capturable_groups": list(groups),
         **cudagraph_options(options).to_dict(),
         "rules": sorted(
             f"{r.name}: {r.kind.value}: {r.explanation} ({r.hint})"

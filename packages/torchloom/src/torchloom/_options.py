@@ -55,6 +55,9 @@ class LoomOptions:
     cudagraph_min_segment_nodes: int = 1
     #: Distinct input shapes recorded per segment before new shapes run uncaptured.
     cudagraph_max_shapes: int = 8
+    #: Capture functional collectives of NCCL process groups (and their waits) inside the
+    #: CUDA graphs; False leaves every collective uncaptured, splitting the graph there.
+    cudagraph_capture_collectives: bool = True
     #: Inductor's max-autotune (``mode="max-autotune"`` sets this).
     max_autotune: bool = False
     #: Place active ``saved_tensors_hooks`` inside compiled graphs (False: run them eagerly).
