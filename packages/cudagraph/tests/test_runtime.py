@@ -151,6 +151,44 @@ def test_parameters_alternating_between_two_addresses_dispatch_by_address() -> N
     assert run.stats().segments[0].uncaptured_calls == 1
 
 
+class _CountingCapturer(HostCapturer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pools = 0
+
+    def new_pool_handle(self) -> Any:
+        self.pools += 1
+        return super().new_pool_handle()
+
+
+def test_parameter_moved_with_its_storage_records_again_into_the_replaced_pool() -> None:
+    """FSDP2 frees an unsharded parameter's memory after use and allocates it again
+    before the next use: the same storage, a new address every step. Each new
+    recording replaces the last one in its pool rather than taking a pool of its
+    own (on 2xH100 every step's recording held a pool: memory grew per step)."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w + 1
+
+    w = torch.randn(3)
+    cap = _CountingCapturer()
+    run, _ = compile_host(f, torch.randn(3), w, static=(1,), capturer=cap, max_recording=8)
+    blockers = []
+    for _ in range(6):
+        storage = w.untyped_storage()
+        storage.resize_(0)
+        blockers.append(torch.empty(3))  # keeps the freed block: the next one moves
+        storage.resize_(3 * w.element_size())
+        w.copy_(torch.randn(3))
+        x = torch.randn(3)
+        (out,) = call(run, x, w)
+        torch.testing.assert_close(out, f(x, w))
+    assert cap.captures == 5  # a warm-up, then a recording per new address
+    (seg,) = run.stats().segments
+    assert seg.uncaptured_calls == 1
+    assert cap.pools == 1  # every recording went into the one pool the runtime made
+
+
 def test_outputs_kept_across_many_calls_stay_correct() -> None:
     def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x + 1, x * 2

@@ -1,12 +1,16 @@
 """Every umbrella test compiles against its own empty loom cache, so a test never
-gets a hit from an earlier test or an earlier run (the cache is on by default)."""
+gets a hit from an earlier test or an earlier run (the cache is on by default).
+The folder is importable for the tests' shared helpers (``_train``)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True)

@@ -156,3 +156,30 @@ def test_no_agreement_without_torch_distributed_or_with_one_rank(tmp_path: Path)
         assert cache_agreement(True) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_ranks_on_their_own_gpus_compare_the_same_neutral_key() -> None:
+    """Each rank's key names its own device (``cuda:0``, ``cuda:1``), so the keys
+    differ; what the ranks compare must not, or every multi-GPU job is warned about
+    (seen on 2xH100 with FSDP2). A different program or option still differs."""
+    import loom_cache
+    from torchloom._cache_ranks import rank_neutral_digest
+
+    def key(device: str, program: str = "model.py:3:forward#0", option: str = "a") -> Any:
+        return loom_cache.CacheKey(
+            program,
+            (
+                loom_cache.KeyComponent("graph", loom_cache.stable_digest(device), "12 nodes"),
+                loom_cache.KeyComponent.of("inputs", [("f32", (2, 3), device)]),
+                loom_cache.KeyComponent.of("values", device),
+                loom_cache.KeyComponent.of("options", option),
+            ),
+        )
+
+    rank0, rank1 = key("cuda:0"), key("cuda:1")
+    assert rank0.digest != rank1.digest
+    assert rank_neutral_digest(rank0) == rank_neutral_digest(rank1)
+    assert rank_neutral_digest(key("cuda:0", program="model.py:9:forward#1")) != (
+        rank_neutral_digest(rank0)
+    )
+    assert rank_neutral_digest(key("cuda:0", option="b")) != rank_neutral_digest(rank0)

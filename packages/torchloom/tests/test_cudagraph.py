@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from _train import train_like_eager
 
 import loom_cudagraph
 import torchloom
@@ -340,18 +341,7 @@ def test_gathered_layers_record_each_segment_once_and_match_eager(
         model, ref = _Gathered(), _Gathered()
         ref.load_state_dict(model.state_dict())
         compiled = torch.compile(model, backend=_host(host_stage), options=CG)
-        for _ in range(5):
-            x = torch.randn(4, 32)
-            loss, want = compiled(x), ref(x)
-            loss.backward()
-            want.backward()
-            torch.testing.assert_close(loss, want)
-            for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-                torch.testing.assert_close(p.grad, q.grad)
-                p.grad, q.grad = None, None
-            # NOTE: a loss held while the next forward replays blocks every earlier
-            # segment of the pool (double buffering), a matter of its own
-            del loss
+        train_like_eager(compiled, model, ref, (torch.randn(4, 32) for _ in range(5)))
     finally:
         loom_cudagraph.unmark_non_capturable(torch.ops.aten.cos)
     entries = torchloom.report().entries("cudagraph")

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from _train import train_like_eager
 
 import loom_cudagraph
 import loom_cudagraph._collectives as collectives_mod
@@ -143,16 +144,7 @@ def test_a_training_step_captures_the_gathers_and_reduce_scatters_in_one_segment
     ref.load_state_dict(model.state_dict())
     backend = Pipeline(capturer=host, cudagraph_device="cpu")
     compiled = torch.compile(model, backend=backend, options=CG)
-    for _ in range(4):
-        x = torch.randn(3, WIDTH)
-        loss, want = compiled(x), ref(x)
-        loss.backward()
-        want.backward()
-        torch.testing.assert_close(loss, want)
-        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad)
-            p.grad, q.grad = None, None
-        del loss
+    train_like_eager(compiled, model, ref, (torch.randn(3, WIDTH) for _ in range(4)))
     (record,) = torchloom.report()
     for graph, collective in (("forward", "all_gather"), ("backward", "reduce_scatter")):
         plan = record.plan(f"cudagraph.{graph}")

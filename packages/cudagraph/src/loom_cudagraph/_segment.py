@@ -171,6 +171,7 @@ class _Recording:
         "retired",
         "reuse",
         "stable_idx",
+        "storages",
         "table",
         "through",
         "watch",
@@ -185,6 +186,8 @@ class _Recording:
         #: the in-place inputs that are there only because their address held still
         self.stable_idx: list[int] = []
         self.ptrs: list[int | None] = []
+        #: the storages of the in-place inputs at recording time, by position
+        self.storages: dict[int, int] = {}
         self.copy_idx: list[int] = []
         self.bufs: list[torch.Tensor] = []
         #: storages of ``bufs`` shared with other recordings of the pool
@@ -486,7 +489,28 @@ class CapturedSegment:
         for i in inplace_idx:
             if inputs[i].layout == torch.strided:
                 views.setdefault(_memory(inputs[i]), []).append(i)
-        rec = _Recording(table, self._pool_for(table, inputs, views, alternate))
+        superseded = None if alternate else _superseded(table, inputs)
+        if superseded is not None:
+            # NOTE: the in-place inputs it reads moved with their storage (FSDP2
+            # frees each unsharded parameter's memory after use and allocates it
+            # again before the next use): the addresses it baked in belong to
+            # nothing of ours any more. It is retired and the new recording takes
+            # its pool, so each step's recording reuses the memory of the last one
+            # instead of holding a pool of its own (memory grew with every step).
+            log.debug(
+                "cudagraph: %s: in-place inputs %s moved with their storage; the new "
+                "recording replaces recording %d in its pool",
+                self.spec.name,
+                _moved(superseded, inputs),
+                superseded.order,
+            )
+            superseded.pool.retire(superseded, superseded.pool.held(superseded))
+        rec = _Recording(
+            table,
+            self._pool_for(
+                table, inputs, views, alternate, superseded.pool if superseded else None
+            ),
+        )
         rec.inplace_idx, rec.stable_idx, rec.copy_idx = inplace_idx, stable_idx, copy_idx
         self._prepare(rec, inputs)
         in_place = {storage_id(inputs[i]) for i in inplace_idx}
@@ -560,17 +584,23 @@ class CapturedSegment:
         return inplace_idx, stable_idx, copy_idx
 
     def _pool_for(
-        self, table: _Table, inputs: list[Any], views: dict[int, list[int]], alternate: bool
+        self,
+        table: _Table,
+        inputs: list[Any],
+        views: dict[int, list[int]],
+        alternate: bool,
+        replaced: MemoryPool | None = None,
     ) -> MemoryPool:
-        """The shared pool for a shape's first recording when no output whose memory
-        went back to it is held, else a pool of the recording's own."""
+        """The shared pool for a shape's first recording (or the pool of the
+        recording this one ``replaced``) when no output whose memory went back to
+        it is held, else a pool of the recording's own."""
         first = (
             table.made == 0
             and not alternate
             and len(self._tables) == 1
             and self.shared_pool is not None
         )
-        pool = self.shared_pool if first else None
+        pool = replaced if replaced is not None else self.shared_pool if first else None
         if pool is not None and not pool.reuse_free(pool.reusable(views), inputs):
             # NOTE: an output whose memory went back to the shared pool is held
             # again (an alias from a replay): a capture there could be given it.
@@ -589,6 +619,9 @@ class CapturedSegment:
         rec.ptrs = [None] * len(inputs)
         for i in rec.inplace_idx:
             rec.ptrs[i] = inputs[i].data_ptr()
+            sid = _storage(inputs[i])
+            if sid is not None:
+                rec.storages[i] = sid
         # NOTE: the copy-in buffers of one pool's recordings are shared (their
         # replays run in program order on one stream, each after its own copy in),
         # alternate recordings in pools of their own included; an input that an
@@ -889,6 +922,24 @@ def _same_storage(warm: tuple[int, StorageWeakRef] | None, v: torch.Tensor) -> b
     warm-up's was; read in place, the next step's gradient elsewhere would make
     the segment record again, into a pool of its own."""
     return warm is not None and not warm[1].expired() and storage_id(v) == warm[0]
+
+
+def _moved(rec: _Recording, inputs: list[Any]) -> list[int]:
+    """The in-place input positions of ``rec`` whose address differs in ``inputs``."""
+    return [i for i in rec.inplace_idx if inputs[i].data_ptr() != rec.ptrs[i]]
+
+
+def _superseded(table: _Table, inputs: list[Any]) -> _Recording | None:
+    """The latest recording whose in-place inputs that moved are, every one, the
+    storage it recorded at another address (resized away and back), or ``None``."""
+    for rec in reversed(table.recordings):
+        moved = _moved(rec, inputs)
+        if moved and all(
+            rec.storages.get(i) is not None and _storage(inputs[i]) == rec.storages[i]
+            for i in moved
+        ):
+            return rec
+    return None
 
 
 def _stable_input_moved(table: _Table, inputs: list[Any]) -> bool:

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
 
+import loom_cache
 from torchloom._cache import CacheLookup
 from torchloom._report import GraphRecordBuilder
 
@@ -161,13 +163,36 @@ def agree_or_decide_alone(
         return None
 
 
+#: Key components that name the rank's own device (``cuda:<index>`` in the input
+#: metadata, the value metadata, device arguments of the graph's calls).
+_DEVICE_BOUND: Final = frozenset({"graph", "inputs", "values", "constants"})
+
+
+def rank_neutral_digest(key: loom_cache.CacheKey) -> str:
+    """What the ranks compare to tell whether they compile the same graph: the key
+    without its device-bound components, with the program and the graph's size.
+
+    NOTE: each rank drives its own GPU, and the generated code names its device
+    index, so the key itself must differ by rank (an entry compiled for ``cuda:1``
+    cannot serve ``cuda:0``). Compared whole, every multi-GPU job would look like
+    ranks compiling different graphs. Without those components the comparison
+    still tells a different program, graph size, option, version or environment.
+    """
+    h = hashlib.sha256(key.program.encode())
+    for c in sorted(key.components, key=lambda c: c.name):
+        part = c.detail if c.name == "graph" else c.digest
+        if c.name not in _DEVICE_BOUND or c.name == "graph":
+            h.update(f"{c.name}={part};".encode())
+    return h.hexdigest()
+
+
 def agree_on_lookup(
     record: GraphRecordBuilder, agreement: CacheAgreement, lookup: CacheLookup
 ) -> CacheLookup:
     """This rank's ``lookup`` as the ranks agreed on it: a hit that another rank
     missed becomes a miss saying so."""
     hit = lookup.artifact is not None
-    agreed = _agree(record, agreement, lookup.key.digest, hit)
+    agreed = _agree(record, agreement, rank_neutral_digest(lookup.key), hit)
     if agreed is None or agreed.hit or not hit:
         return lookup
     reason = (
