@@ -149,6 +149,28 @@ def test_package_is_typed_and_declares_all(folder: str, module: str) -> None:
         assert hasattr(mod, name), f"{module}.__all__ names missing {name!r}"
 
 
+@pytest.mark.parametrize("folder,module", sorted(PACKAGES.items()))
+def test_lazy_names_are_the_typed_names(folder: str, module: str) -> None:
+    """A PEP 562 ``__init__`` maps each public name to the submodule its ``TYPE_CHECKING``
+    import names, so mypy, the API snapshot and the runtime see the same object."""
+    src = ROOT / "packages" / folder / "src" / module / "__init__.py"
+    tree = ast.parse(src.read_text())
+    typed: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for imp in node.body:
+                if isinstance(imp, ast.ImportFrom):
+                    prefix = f"{module}." if imp.level else ""
+                    for alias in imp.names:
+                        typed[alias.asname or alias.name] = f"{prefix}{imp.module}"
+    mod = importlib.import_module(module)
+    lazy = getattr(mod, "_LAZY", None)
+    if lazy is None:
+        return
+    assert lazy == typed, f"{module}: _LAZY and the TYPE_CHECKING imports differ"
+    assert set(lazy) | {"__version__"} == set(mod.__all__)
+
+
 def _api_snapshot(module: str) -> str:
     mod = importlib.import_module(module)
     lines = []

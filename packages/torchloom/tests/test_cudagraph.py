@@ -370,11 +370,13 @@ def test_gathered_layers_record_each_segment_once_and_match_eager(
 
 
 def _recordings() -> list[Any]:
+    from loom_cudagraph._live import live_runtimes
     from loom_cudagraph._segment import CapturedSegment
 
     return [
         r
-        for run in loom_cudagraph.CudagraphRuntime._live
+        for run in live_runtimes
+        if isinstance(run, loom_cudagraph.CudagraphRuntime)
         for s in run._stats
         if isinstance(s, CapturedSegment)
         for t in s._tables.values()

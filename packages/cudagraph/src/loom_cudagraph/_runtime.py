@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.fx
 
 from loom_cudagraph._capture import Capturer, CudaCapturer
+from loom_cudagraph._live import live_runtimes
 from loom_cudagraph._plan import PartitionPlan, SegmentPlan
 from loom_cudagraph._pool import MemoryPool
 from loom_cudagraph._segment import CapturedSegment, Listener, SegmentSpec, SegmentStats
@@ -37,7 +37,6 @@ __all__ = [
     "compile_segments",
     "eager_segment_compiler",
     "new_pool",
-    "release_graphs",
 ]
 
 BoxedFn = Callable[[list[Any]], Sequence[Any]]
@@ -104,8 +103,6 @@ class RuntimeCall:
 class CudagraphRuntime:
     """A boxed callable running one planned graph; see :func:`build_runtime`."""
 
-    _live: ClassVar[weakref.WeakSet[CudagraphRuntime]] = weakref.WeakSet()
-
     def __init__(
         self,
         plan: PartitionPlan,
@@ -123,7 +120,7 @@ class CudagraphRuntime:
         self._pad = [None] * (n_slots - len(plan.placeholders))
         self._stats = static_stats
         self._calls: list[RuntimeCall] | None = None
-        CudagraphRuntime._live.add(self)
+        live_runtimes.add(self)
         # One step reading every input in order and returning the graph's outputs
         # in order: call it directly (the per-call path of a fully captured graph).
         self._single: BoxedFn | None = None
@@ -148,7 +145,7 @@ class CudagraphRuntime:
         >>> calls[0].runtime(list(calls[0].inputs))  # doctest: +SKIP
         """
         calls: list[RuntimeCall] = []
-        runtimes = list(cls._live)
+        runtimes = [r for r in live_runtimes if isinstance(r, cls)]
         for r in runtimes:
             r._calls = calls
         try:
@@ -188,14 +185,6 @@ class CudagraphRuntime:
     def stats(self) -> RuntimeStats:
         segs = tuple(s.stats() if isinstance(s, CapturedSegment) else s for s in self._stats)
         return RuntimeStats(self.plan.graph, segs)
-
-
-def release_graphs() -> None:
-    """Drop the CUDA graphs of every live runtime of the process: their memory pools
-    go back to the device once the outputs they handed out are gone. The runtimes
-    stay callable and record again on their next call."""
-    for runtime in list(CudagraphRuntime._live):
-        runtime.release()
 
 
 def _uncaptured_stats(plan: PartitionPlan, index: int, name: str) -> SegmentStats:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx
 
-__all__ = ["bound_hook_count", "grad_hook", "grad_hook_sites"]
+__all__ = ["bound_hook_count", "grad_hook"]
 
 log = logging.getLogger("torchloom.hops")
 
@@ -197,21 +197,6 @@ def _backward(
 
 
 _grad_tap.register_autograd(_backward, setup_context=_setup_context)
-
-
-def grad_hook_sites(gm: torch.fx.GraphModule) -> tuple[int, ...]:
-    """The ``grad_hook`` call sites of a Dynamo (or forward) graph, by site number.
-
-    A backward compiler can trace a site's hooks only once a forward of that site
-    has run (:func:`last_hooks`): a graph with sites wants its backward compiled
-    at the first backward, not ahead of time.
-    """
-    tap = torch.ops.loom.grad_tap.default
-    return tuple(
-        int(n.args[1])
-        for n in gm.graph.nodes
-        if n.op == "call_function" and n.target in (tap, torch.ops.loom.grad_tap)
-    )
 
 
 def grad_hook(y: torch.Tensor, *fns: GradHook) -> torch.Tensor:

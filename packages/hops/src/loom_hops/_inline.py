@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import operator
+import sys
 from typing import Any
 
 import torch
 import torch.fx
 
-from loom_hops._subgraph_hop import SubgraphHOP
 from loom_sidefx import PassResult
 
 __all__ = ["inline_subgraph_hops"]
@@ -93,6 +93,13 @@ def inline_subgraph_hops(gm: torch.fx.GraphModule) -> PassResult[torch.fx.GraphM
     >>> result = inline_subgraph_hops(fw_gm)   # right before Inductor / eager codegen
     >>> assert not any(isinstance(n.target, SubgraphHOP) for n in fw_gm.graph.nodes)
     """
+    # NOTE: a SubgraphHOP exists only once loom_hops._subgraph_hop is imported (by the
+    # saved-tensor hooks placement, or a user's own HOP): before that no graph can
+    # call one, and the pass changes nothing without defining the operators.
+    if "loom_hops._subgraph_hop" not in sys.modules:
+        return PassResult(gm, False)
+    from loom_hops._subgraph_hop import SubgraphHOP
+
     hops = [
         n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, SubgraphHOP)
     ]

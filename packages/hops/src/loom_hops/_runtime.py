@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from loom_hops import _torch_compat as compat
-from loom_hops._hook_graphs import HookGraphs
-from loom_hops._hook_match import pair_mismatch
 from loom_hops._hook_pair import HookPair, active_saved_tensors_hooks
+
+if TYPE_CHECKING:
+    from loom_hops._hook_graphs import HookGraphs
 
 __all__ = [
     "eager_saved_tensors_hooks_disabled",
@@ -55,6 +57,8 @@ def install_hooks_guard(pair: HookPair | None, graphs: HookGraphs | None = None)
         # NOTE: every frame compiled without hooks carries this guard; it runs on each
         # call, so it is the one C call (no Python matching) when no pair is active.
         return compat.install_no_hooks_guard("loom: no saved_tensors_hooks are active")
+    # NOTE: imported here, not per call: a frame compiled without hooks never matches.
+    from loom_hops._hook_match import pair_mismatch
 
     def check() -> bool:
         return pair_mismatch(pair, active_saved_tensors_hooks(), graphs) is None
@@ -74,6 +78,8 @@ def install_other_hooks_guard(
     compilations of the frame (``variants``, as given to :func:`install_hooks_guard`)
     do not, so that distinct pairs past a bound stop recompiling.
     """
+    from loom_hops._hook_match import pair_mismatch
+
     kept = tuple(variants)
 
     def check() -> bool:

@@ -27,7 +27,7 @@ import dataclasses
 import enum
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.fx import GraphModule
@@ -41,7 +41,6 @@ from torchloom._values import Codegen, GraphKind
 
 __all__ = [
     "CudagraphSession",
-    "PlanFn",
     "PlanOutcome",
     "StoredPlan",
     "compile_segmented",
@@ -50,6 +49,7 @@ __all__ = [
     "cudagraph_session",
     "cudagraph_settings",
     "cudagraph_stats",
+    "plan_graph",
     "release_graphs",
     "release_runtimes",
     "replay_plans",
@@ -57,8 +57,9 @@ __all__ = [
 
 log = logging.getLogger("torchloom.cudagraph")
 
-#: ``loom_cudagraph.plan_graph``'s signature (a test may pass another planner).
-PlanFn = Callable[..., loom_cudagraph.PartitionPlan]
+if TYPE_CHECKING:
+    #: ``loom_cudagraph.plan_graph``'s signature (a test may pass another planner).
+    PlanFn = Callable[..., loom_cudagraph.PartitionPlan]
 
 _runtimes: list[loom_cudagraph.CudagraphRuntime] = []
 
@@ -70,6 +71,12 @@ def cudagraph_stats() -> list[loom_cudagraph.RuntimeStats]:
     >>> torchloom.cudagraph_stats()[0].format()  # doctest: +SKIP
     """
     return [r.stats() for r in _runtimes]
+
+
+def plan_graph(*args: Any, **kwargs: Any) -> loom_cudagraph.PartitionPlan:
+    """:func:`loom_cudagraph.plan_graph`, the pipeline's planner: the planner is
+    imported at the first graph compiled with CUDA graphs, not with the backend."""
+    return loom_cudagraph.plan_graph(*args, **kwargs)
 
 
 def release_graphs() -> None:

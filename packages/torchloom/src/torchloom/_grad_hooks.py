@@ -21,8 +21,6 @@ from torch.fx import GraphModule
 import loom_hops
 from torchloom import _torch_compat as compat
 from torchloom._aot_cache import lazy_backward_lowering
-from torchloom._options import LoomOptions
-from torchloom._report import GraphRecordBuilder
 from torchloom._values import GraphKind, Snapshot
 
 __all__ = ["grad_hooks_context", "inline_grad_hooks"]
@@ -33,12 +31,14 @@ def grad_hooks_context(snapshot: Snapshot) -> contextlib.AbstractContextManager[
     return lazy_backward_lowering() if snapshot.grad_hook_sites else contextlib.nullcontext()
 
 
-def inline_grad_hooks(
-    record: GraphRecordBuilder, options: LoomOptions, gm: GraphModule, kind: GraphKind
-) -> GraphModule:
+def inline_grad_hooks(snapshot: Snapshot, gm: GraphModule, kind: GraphKind) -> GraphModule:
     """A backward graph before codegen: traced ``grad_hook`` hooks inlined."""
-    if kind is not GraphKind.BACKWARD:
+    # NOTE: a backward calls loom.grad_hook only where its forward called
+    # loom.grad_tap (the op's autograd formula): without sites in Dynamo's graph there
+    # is nothing to inline, and the hook tracer is not imported.
+    if kind is not GraphKind.BACKWARD or not snapshot.grad_hook_sites:
         return gm
+    record, options = snapshot.record, snapshot.options
     table = compat.inductor_decompositions() if options.codegen == "inductor" else None
     inlining = loom_hops.inline_grad_hooks(gm, table)
     record.add_plan("grad_hooks", inlining)

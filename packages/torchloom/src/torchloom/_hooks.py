@@ -28,7 +28,7 @@ import logging
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.fx import GraphModule
@@ -48,6 +48,7 @@ __all__ = [
     "inline_hook_graphs",
     "order_tensor_hooks",
     "place_hooks",
+    "place_saved_tensor_hooks",
     "prepare_hooks",
     "wrap_hooks_runtime",
 ]
@@ -55,8 +56,9 @@ __all__ = [
 log = logging.getLogger("torchloom.hooks")
 
 
-#: A compiled pair and the hook graphs its guard matches others with (None: by content alone).
-Variant = tuple[loom_hops.HookPair | None, loom_hops.HookGraphs | None]
+if TYPE_CHECKING:
+    #: A compiled pair and the hook graphs its guard matches others with (None: by content alone).
+    Variant = tuple[loom_hops.HookPair | None, loom_hops.HookGraphs | None]
 
 
 @dataclasses.dataclass
@@ -312,6 +314,14 @@ def place_hooks(
         record.add_graph(kind, code)
         log.debug("graph %d, %s:\n%s", snapshot.graph_id, kind, code)
     return HookPlacement(placement)
+
+
+def place_saved_tensor_hooks(
+    *args: Any, **kwargs: Any
+) -> loom_hops.Placement | loom_hops.Unsupported:
+    """:func:`loom_hops.place_saved_tensor_hooks`, the pipeline's placement: the pass
+    (and the operators it places) is imported at the first graph with hooks to place."""
+    return loom_hops.place_saved_tensor_hooks(*args, **kwargs)
 
 
 def inline_hook_graphs(gm: GraphModule) -> GraphModule:

@@ -40,7 +40,7 @@ import enum
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch.fx import GraphModule
@@ -50,6 +50,7 @@ import loom_cudagraph
 import loom_hops
 import loom_resize
 from loom_sidefx import user_frame
+from torchloom import _cudagraph, _hooks
 from torchloom import _torch_compat as compat
 from torchloom._aot_cache import AotCacheSlot, CacheNotServed, aot_cache_slot
 from torchloom._cache import (
@@ -71,7 +72,6 @@ from torchloom._cache_ranks import (
 )
 from torchloom._cudagraph import (
     CudagraphSession,
-    PlanFn,
     compile_segmented,
     cudagraph_error,
     cudagraph_session,
@@ -102,6 +102,9 @@ from torchloom._output_code import EagerOutputCode
 from torchloom._report import GraphRecordBuilder, InputMeta, new_record
 from torchloom._resize import guard_storage_sizes, plan_resizes, resize_passes, rewrite_fills
 from torchloom._values import Codegen, ExampleInputs, GraphKind, Snapshot
+
+if TYPE_CHECKING:
+    from torchloom._cudagraph import PlanFn
 
 __all__ = [
     "Compiled",
@@ -161,8 +164,10 @@ class Pipeline:
     agreement: Callable[[bool], CacheAgreement | None] = cache_agreement
     #: Codegen for ``codegen="eager"`` graphs the cache does not take (cache off).
     eager_codegen: Codegen = eager_codegen
-    plan_graph: PlanFn = loom_cudagraph.plan_graph
-    place_saved_tensor_hooks: Callable[..., Any] = loom_hops.place_saved_tensor_hooks
+    # NOTE: loom's planner and placement by wrappers that import them at their first
+    # call: the backend's import does not load what a plain graph never runs.
+    plan_graph: PlanFn = _cudagraph.plan_graph
+    place_saved_tensor_hooks: Callable[..., Any] = _hooks.place_saved_tensor_hooks
     dynamo_passes: tuple[DynamoPass, ...] = ()
     partition_passes: tuple[PartitionPass, ...] = ()
     graph_passes: tuple[GraphPass, ...] = ()
@@ -542,7 +547,7 @@ def _graph_passes(
     with record.timed("resize.passes"):
         g = resize_passes(record, options, g, kind)
     with record.timed("grad_hooks.inline"):
-        g = inline_grad_hooks(record, options, g, kind)
+        g = inline_grad_hooks(snapshot, g, kind)
     for graph_pass in parts.graph_passes:
         g = graph_pass(kind, g)
     with record.timed("report.graphs"):

@@ -119,7 +119,8 @@ class GraphRecord:
         ``"cache"`` (``loom_cache.CacheKey``, or the ``CacheBypass`` that says why
         not), ``"cudagraph.<graph>"`` (``loom_cudagraph.PartitionPlan``),
         ``"resize.<graph>.<pass>"`` (``loom_sidefx.PassResult``), ``"hooks.placement"``
-        (``loom_hops.Placement``), ``"grad_hooks"`` (``loom_hops.GradHookInlining``)::
+        (``loom_hops.Placement``), ``"grad_hooks"`` (``loom_hops.GradHookInlining``, a graph
+        with ``grad_hook`` sites)::
 
             plan = torchloom.report()[0].plan("cudagraph.forward")
             plan.captured_segments
