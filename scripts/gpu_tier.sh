@@ -10,6 +10,10 @@
 #   GPU_TESTS_ARGS="-x" GPU_TESTS_K="cudagraph or cache" GPU_BENCHES="bench_cudagraph" bash scripts/gpu_tier.sh
 #   GPU_TIER=bench GPU_BENCHES="bench_default" BENCH_ARGS="--workloads gpt_train" bash scripts/gpu_tier.sh
 #   GPU_TIER=tests GPU_TIER_PY312=0 bash scripts/gpu_tier.sh   # the gpu tests alone
+#   REDIS_PY_WHEEL=redis-*.whl REDIS_DEBS=DIR bash scripts/gpu_tier.sh
+#       # the GPU image has neither redis-py nor a redis-server: given a redis-py wheel
+#       # (unzipped onto PYTHONPATH) and the .deb files of scripts/unpack_redis.sh, the
+#       # tests that need a real Redis run instead of skipping
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}
@@ -20,6 +24,12 @@ SITE=$(mktemp -d)
 SRC=$(ls -d "$PWD"/packages/*/src | tr '\n' ':')
 export PYTHONPATH="$SITE:$SRC$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1 TORCHLOOM_CHECKS=1
+if [ -n "${REDIS_PY_WHEEL:-}" ]; then  # pure Python: the wheel unzipped is the package
+  "$PY" -m zipfile -e "$REDIS_PY_WHEEL" "$SITE/redis-py" && export PYTHONPATH="$PYTHONPATH:$SITE/redis-py"
+fi
+if [ -n "${REDIS_DEBS:-}" ]; then
+  bash scripts/unpack_redis.sh "$REDIS_DEBS" "$SITE/redis" | tail -1 && export PATH="$SITE/redis:$PATH"
+fi
 # The image's site-packages holds no .pyc files and cannot be written: without a
 # writable bytecode cache every fresh process (the benchmarks' cold and warm
 # starts) compiles torch's imported sources anew, seconds that an installed torch
