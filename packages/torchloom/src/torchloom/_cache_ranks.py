@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -164,8 +163,10 @@ def agree_or_decide_alone(
 
 
 #: Key components that name the rank's own device (``cuda:<index>`` in the input
-#: metadata, the value metadata, device arguments of the graph's calls).
-_DEVICE_BOUND: Final = frozenset({"graph", "inputs", "values", "constants"})
+#: metadata, the value metadata, device arguments of constants). The ``graph``
+#: component's digest does too (device arguments of its calls): its detail, the
+#: graph's size, is compared instead.
+_DEVICE_BOUND: Final = frozenset({"inputs", "values", "constants"})
 
 
 def rank_neutral_digest(key: loom_cache.CacheKey) -> str:
@@ -178,12 +179,12 @@ def rank_neutral_digest(key: loom_cache.CacheKey) -> str:
     ranks compiling different graphs. Without those components the comparison
     still tells a different program, graph size, option, version or environment.
     """
-    h = hashlib.sha256(key.program.encode())
-    for c in sorted(key.components, key=lambda c: c.name):
-        part = c.detail if c.name == "graph" else c.digest
-        if c.name not in _DEVICE_BOUND or c.name == "graph":
-            h.update(f"{c.name}={part};".encode())
-    return h.hexdigest()
+    kept = sorted(
+        (c.name, c.detail if c.name == "graph" else c.digest)
+        for c in key.components
+        if c.name not in _DEVICE_BOUND
+    )
+    return loom_cache.stable_digest((key.program, kept))
 
 
 def agree_on_lookup(

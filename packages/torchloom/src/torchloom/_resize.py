@@ -98,31 +98,20 @@ def resize_passes(
     record: GraphRecordBuilder, options: LoomOptions, gm: GraphModule, kind: GraphKind
 ) -> GraphModule:
     """One aten graph before codegen: chains removed, shrinks after the last use."""
-    if not _has_resizes(record, gm, kind):
+    unchanged = loom_sidefx.PassResult(gm, False)
+    try:
         # NOTE: both passes start from the graph's resize plan: with no resized input
         # neither changes anything, and their modules are not imported.
-        unchanged = loom_sidefx.PassResult(gm, False)
+        resized = bool(loom_resize.plan_storage_resizes(gm))
         if options.resize_remove_chains:
-            _record(record, kind.value, "remove_resize_copy_resize", unchanged)
-        _record(record, kind.value, "move_shrinks_after_last_use", unchanged)
-        return gm
-    try:
-        if options.resize_remove_chains:
-            result = loom_resize.remove_resize_copy_resize(gm)
+            result = loom_resize.remove_resize_copy_resize(gm) if resized else unchanged
             _record(record, kind.value, "remove_resize_copy_resize", result)
             gm = result.graph_module
-        result = loom_resize.move_shrinks_after_last_use(gm)
+        result = loom_resize.move_shrinks_after_last_use(gm) if resized else unchanged
     except loom_resize.ResizeRefused as refused:
         raise _refusal(record, refused.reason, kind.value) from None
     _record(record, kind.value, "move_shrinks_after_last_use", result)
     return result.graph_module
-
-
-def _has_resizes(record: GraphRecordBuilder, gm: GraphModule, kind: GraphKind) -> bool:
-    try:
-        return bool(loom_resize.plan_storage_resizes(gm))
-    except loom_resize.ResizeRefused as refused:
-        raise _refusal(record, refused.reason, kind.value) from None
 
 
 def guard_storage_sizes(
