@@ -71,7 +71,11 @@ Configurations (``--config``, several allowed; default: all):
   compiled autograd on (the backward graph holds the collectives) and
   ``cudagraphs=True``. Either loom captures and the steps match eager, or the
   segments it leaves uncaptured name the collective (skip kind
-  ``COLLECTIVE``). On CPU the configuration reports ``SKIP`` (gloo has no CUDA
+  ``COLLECTIVE``). ``--eager-first`` runs the first step eagerly, as PyTorch's
+  recipe for traced FSDP2 says: FSDP2's lazy initialization then runs outside
+  Dynamo and the forward graphs hold the all-gathers too (on torch 2.11 the
+  gradients of every backend, Inductor's included, then leave eager's: see
+  docs/distributed.md). On CPU the configuration reports ``SKIP`` (gloo has no CUDA
   graphs).
 
 For each configuration rank 0 prints one line ``DIST_RESULT {json}`` (the
@@ -209,8 +213,15 @@ def _steps(
     opt: torch.optim.Optimizer,
     device: torch.device,
     hooks: tuple[Any, Any] | None = None,
+    eager_first: bool = False,
 ) -> dict[str, Any]:
-    """Train ``len(inputs)`` steps; the losses, every step's full gradients, the peak."""
+    """Train ``len(inputs)`` steps; the losses, every step's full gradients, the peak.
+
+    ``eager_first``: the first step runs under ``torch.compiler.set_stance("force_eager")``,
+    PyTorch's recipe for traced FSDP2 (its lazy initialization, which creates the unsharded
+    ``nn.Parameter``s, runs eagerly; traced, it breaks the graph inside the blocks' loop and
+    Dynamo then runs that frame eagerly for good, leaving the forward's all-gathers outside
+    every graph)."""
     losses, grads = [], []
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -225,12 +236,20 @@ def _steps(
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     reserved_base = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-    for x in inputs:
-        with (
-            torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
-        ):
-            loss = run(x)
-        loss.backward()
+    for i, x in enumerate(inputs):
+        stance = (
+            torch.compiler.set_stance("force_eager")
+            if eager_first and i == 0
+            else contextlib.nullcontext()
+        )
+        with stance:
+            with (
+                torch.autograd.graph.saved_tensors_hooks(*hooks)
+                if hooks
+                else contextlib.nullcontext()
+            ):
+                loss = run(x)
+            loss.backward()
         grads.append(_full_grads(model))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -249,6 +268,12 @@ def _inputs(args: argparse.Namespace, device: torch.device) -> list[torch.Tensor
         torch.randn(args.batch, args.seq, args.dim, generator=gen).to(device)
         for _ in range(args.steps)
     ]
+
+
+#: The largest relative L2 gradient error a configuration without fp8 hooks passes
+#: with (rank-wise, over every step); seen: 0 to 5e-5. The absolute tolerance alone
+#: passed gradients that were wrong: small gradients (about 1e-3) off by 380 %.
+GRAD_REL_TOL = 1e-3
 
 
 def _compare(eager: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
@@ -383,12 +408,17 @@ def _hf_run(
     report = _report()
     cmp = _compare(sides["eager"], sides["loom"])
     tol = args.tol
-    ok = cmp["loss_diff"] <= tol and cmp["grad_diff"] <= tol and not report["fallbacks"]
+    ok = (
+        cmp["loss_diff"] <= tol
+        and cmp["grad_diff"] <= tol
+        and cmp["grad_rel"] <= GRAD_REL_TOL
+        and not report["fallbacks"]
+    )
     return {
         "verdict": "PASS" if ok else "FAIL",
         "model": "LlamaForCausalLM (config, random weights)",
         "compiled_autograd": compiled_autograd,
-        "tolerance": f"abs {tol:g}",
+        "tolerance": f"abs {tol:g}, grad rel {GRAD_REL_TOL:g}",
         "eager_losses": sides["eager"]["losses"],
         "losses": sides["loom"]["losses"],
         "peaks": _gather(sides["loom"]["peak"]),
@@ -574,6 +604,7 @@ def _ddp_verdict(
     ok = (
         cmp["loss_diff"] <= args.tol
         and cmp["grad_diff"] <= args.tol
+        and cmp["grad_rel"] <= GRAD_REL_TOL
         and (args.backend != "loom" or (loom["graphs"] > 1 and not loom["fallbacks"]))
     )
     step_ms = {side: got.get("step_ms") for side, got in out.items()}
@@ -615,12 +646,13 @@ def run_ddp(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         verdict.pop("ok")
         and sequential["inner_compiled"]["loss_diff"] <= args.tol
         and sequential["inner_compiled"]["grad_diff"] <= args.tol
+        and sequential["inner_compiled"]["grad_rel"] <= GRAD_REL_TOL
     )
     result = {
         "verdict": "PASS" if ok else "FAIL",
         "backend": args.backend,
         "codegen": args.codegen if args.backend == "loom" else None,
-        "tolerance": f"abs {args.tol:g}",
+        "tolerance": f"abs {args.tol:g}, grad rel {GRAD_REL_TOL:g}",
         "bucket_cap_mb": args.bucket_cap_mb,
         "sequential": sequential,
         **verdict,
@@ -703,8 +735,10 @@ def run_cache(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     ok = (
         cmp["loss_diff"] <= args.tol
         and cmp["grad_diff"] <= args.tol
+        and cmp["grad_rel"] <= GRAD_REL_TOL
         and seq["loss_diff"] <= args.tol
         and seq["grad_diff"] <= args.tol
+        and seq["grad_rel"] <= GRAD_REL_TOL
         and not report["fallbacks"]
         and (hits_ok if args.expect_hits else stored_ok)
         and agreed_ok
@@ -746,7 +780,14 @@ def run_fsdp2_cudagraphs(args: argparse.Namespace, device: torch.device) -> dict
         ca = torch.compile(fullgraph=True, **kwargs)
         with _dynamo(skip_fsdp_hooks=False, compiled_autograd=ca):
             run = torch.compile(model, **kwargs)
-            sides[side] = _steps(model, lambda x, r=run: r(x).square().mean(), inputs, opt, device)
+            sides[side] = _steps(
+                model,
+                lambda x, r=run: r(x).square().mean(),
+                inputs,
+                opt,
+                device,
+                eager_first=args.eager_first,
+            )
     report = _report()
     cmp = _compare(sides["eager"], sides["loom"])
     cg = report["entries"].get("cudagraph", {})
@@ -755,6 +796,7 @@ def run_fsdp2_cudagraphs(args: argparse.Namespace, device: torch.device) -> dict
     ok = (
         cmp["loss_diff"] <= args.tol
         and cmp["grad_diff"] <= args.tol
+        and cmp["grad_rel"] <= GRAD_REL_TOL
         and (captured or collective_named)
     )
     peaks, eager_peaks = _gather(sides["loom"]["peak"]), _gather(sides["eager"]["peak"])
@@ -765,6 +807,7 @@ def run_fsdp2_cudagraphs(args: argparse.Namespace, device: torch.device) -> dict
     reserved_ratios = [p / e if e else None for p, e in zip(reserved, eager_reserved, strict=True)]
     result = {
         "verdict": "PASS" if ok else "FAIL",
+        "eager_first": args.eager_first,
         "captured": captured,
         "collective_named_in_skips": collective_named,
         "eager_losses": sides["eager"]["losses"],
@@ -1160,6 +1203,15 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--config", choices=(*CONFIGS, "all"), nargs="+", default=["all"])
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument(
+        "--eager-first",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help=(
+            "fsdp2-cudagraphs: run the first step eagerly (PyTorch's recipe for traced FSDP2; "
+            "on torch 2.11 every backend's gradients then leave eager's, see docs/distributed.md)"
+        ),
+    )
     parser.add_argument("--dim", type=int, default=None)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2)
@@ -1240,6 +1292,14 @@ def main() -> int:
                 "ranks": [i for i, e in enumerate(errors) if e],
                 "error": next(e for e in errors if e),
             }
+        else:
+            # NOTE: each rank judges its own gradients; the configuration passes only
+            # where every rank passed (rank 0 prints the verdict for all of them).
+            verdicts = _gather(result.get("verdict"))
+            if len(set(verdicts)) > 1:
+                order = ("ERROR", "FAIL", "UNSUPPORTED", "SKIP", "PASS")
+                worst = min(verdicts, key=lambda v: order.index(v) if v in order else 0)
+                result = {**result, "verdict": worst, "verdict_per_rank": verdicts}
         results[name] = result = {"config": name, "device": device.type, **result}
         say("DIST_RESULT " + json.dumps(result, default=str))
     say("verdict: " + ", ".join(f"{k}={v['verdict']}" for k, v in results.items()))
