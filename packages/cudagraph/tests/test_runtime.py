@@ -161,11 +161,25 @@ class _CountingCapturer(HostCapturer):
         return super().new_pool_handle()
 
 
-def test_parameter_moved_with_its_storage_records_again_into_the_replaced_pool() -> None:
+def _reallocate(w: torch.Tensor, blockers: list[torch.Tensor]) -> None:
+    """What FSDP2 does to an unsharded parameter between uses: its storage freed and
+    allocated again (the same storage, a new address), then refilled."""
+    storage = w.untyped_storage()
+    storage.resize_(0)
+    blockers.append(torch.empty(3))  # keeps the freed block: the next one moves
+    storage.resize_(3 * w.element_size())
+    w.copy_(torch.randn(3))
+
+
+def test_parameter_moved_with_its_storage_records_again_into_the_replaced_pool(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """FSDP2 frees an unsharded parameter's memory after use and allocates it again
     before the next use: the same storage, a new address every step. Each new
     recording replaces the last one in its pool rather than taking a pool of its
-    own (on 2xH100 every step's recording held a pool: memory grew per step)."""
+    own (on 2xH100 every step's recording held a pool: memory grew per step); once
+    two recordings in a row were each replaced before a second replay, the segment
+    stops recording, releases them and runs uncaptured, with the reason reported."""
 
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * w + 1
@@ -173,20 +187,65 @@ def test_parameter_moved_with_its_storage_records_again_into_the_replaced_pool()
     w = torch.randn(3)
     cap = _CountingCapturer()
     run, _ = compile_host(f, torch.randn(3), w, static=(1,), capturer=cap, max_recording=8)
-    blockers = []
-    for _ in range(6):
-        storage = w.untyped_storage()
-        storage.resize_(0)
-        blockers.append(torch.empty(3))  # keeps the freed block: the next one moves
-        storage.resize_(3 * w.element_size())
-        w.copy_(torch.randn(3))
+    blockers: list[torch.Tensor] = []
+    with caplog.at_level(logging.WARNING, logger="torchloom.cudagraph"):
+        for _ in range(7):
+            _reallocate(w, blockers)
+            x = torch.randn(3)
+            (out,) = call(run, x, w)
+            torch.testing.assert_close(out, f(x, w))
+    # a warm-up, two recordings (the second replacing the first in its pool), then
+    # the shape is declined: every later call runs uncaptured and records nothing
+    assert cap.captures == 2
+    assert cap.pools == 1
+    (seg,) = run.stats().segments
+    assert seg.uncaptured_calls == 5
+    assert skip_counts() == {CudagraphRefusalKind.INPUT_REALLOCATED: 1}
+    (warning,) = [r.getMessage() for r in caplog.records if "input_reallocated" in r.getMessage()]
+    assert "static inputs w_1 got new memory on each of the last 3 calls" in warning
+    assert "capture_step" in warning
+
+
+def test_parameter_moved_once_then_kept_still_replays() -> None:
+    """A storage re-allocated once (a lazy initialization) is not "every call": the
+    recording made for the new address replays from then on."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w - 2
+
+    w = torch.randn(3)
+    run, cap = compile_host(f, torch.randn(3), w, static=(1,))
+    blockers: list[torch.Tensor] = []
+    for i in range(8):
+        if i == 2:
+            _reallocate(w, blockers)
         x = torch.randn(3)
         (out,) = call(run, x, w)
         torch.testing.assert_close(out, f(x, w))
-    assert cap.captures == 5  # a warm-up, then a recording per new address
     (seg,) = run.stats().segments
-    assert seg.uncaptured_calls == 1
-    assert cap.pools == 1  # every recording went into the one pool the runtime made
+    assert seg.captured and seg.uncaptured_calls == 1
+    assert cap.captures == 2 and cap.replays == 7  # each recording's own replay, then 5
+
+
+def test_parameter_moved_every_other_call_is_not_declined() -> None:
+    """Each recording replays once more before its input moves: no recording is wasted
+    outright, so the shape keeps recording (within its budget) and is never declined."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x + w
+
+    w = torch.randn(3)
+    run, _ = compile_host(f, torch.randn(3), w, static=(1,), max_recording=8)
+    blockers: list[torch.Tensor] = []
+    for i in range(10):
+        if i % 2:
+            _reallocate(w, blockers)
+        x = torch.randn(3)
+        (out,) = call(run, x, w)
+        torch.testing.assert_close(out, f(x, w))
+    assert CudagraphRefusalKind.INPUT_REALLOCATED not in skip_counts()
+    (seg,) = run.stats().segments
+    assert seg.replays > seg.recordings  # every recording replayed again at least once
 
 
 def test_outputs_kept_across_many_calls_stay_correct() -> None:

@@ -50,6 +50,9 @@ class CudagraphRefusalKind(enum.Enum):
     #: outputs stayed held) more often than ``max_recording`` allows, or a captured step
     #: met more guard sets than its ``max_recordings``.
     RECORDING_BUDGET = "recording_budget"
+    #: A static input gets new memory on every call (its storage freed and allocated
+    #: again, as FSDP2 does with unsharded parameters): each recording would replay once.
+    INPUT_REALLOCATED = "input_reallocated"
     #: ``torch.cuda.graph`` capture itself raised; the segment (or step) runs uncaptured.
     CAPTURE_FAILED = "capture_failed"
     #: A caller switched CUDA graphs off for this graph (for example no CUDA device).

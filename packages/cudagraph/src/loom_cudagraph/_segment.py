@@ -52,6 +52,10 @@ log = logging.getLogger("torchloom.cudagraph")
 
 SegmentFn = Callable[[list[Any]], Sequence[Any]]
 
+#: Recordings in a row that may each be replaced before a second replay because their
+#: static inputs moved with their storage; the next such move declines the shape.
+REALLOCATED_CHAIN = 2
+
 # Memory (storage addresses) of static outputs of live recordings: an input found
 # here is used in place.
 _managed: dict[int, int] = {}
@@ -152,6 +156,7 @@ class _Recording:
         "__weakref__",
         "alias_idx",
         "bufs",
+        "chain",
         "checks",
         "clone_idx",
         "copy_back",
@@ -168,6 +173,7 @@ class _Recording:
         "pool",
         "ptrs",
         "replay",
+        "replays_then",
         "retired",
         "reuse",
         "stable_idx",
@@ -206,6 +212,11 @@ class _Recording:
         #: earlier outputs of the pool whose memory this recording may have reused
         self.reuse: list[Reuse] = []
         self.retired = False
+        #: recordings in a row, ending with this one, that each replaced the last
+        #: because its in-place inputs moved with their storage before it replayed again
+        self.chain = 1
+        #: the segment's replay count right after this recording's own first replay
+        self.replays_then = -1
         self.copy_in: Callable[[list[Any]], object] | None = None
         self.copy_back: Callable[[list[Any]], object] | None = None
         self.replay: Callable[[], object] = _no_replay
@@ -248,6 +259,7 @@ class _Table:
         "aliased",
         "buffers",
         "copy_out",
+        "declined",
         "exhausted",
         "last",
         "made",
@@ -268,6 +280,8 @@ class _Table:
         self.buffers = 0
         self.retires = 0
         self.exhausted = False
+        #: this shape runs uncaptured for good: its static inputs move on every call
+        self.declined = False
         #: data pointers of the warm-up call's inputs (``None`` for non-tensors)
         self.warm_ptrs: list[int | None] = []
         #: the warm-up call's input storages, by identity and weakly: an input is
@@ -490,6 +504,13 @@ class CapturedSegment:
             if inputs[i].layout == torch.strided:
                 views.setdefault(_memory(inputs[i]), []).append(i)
         superseded = None if alternate else _superseded(table, inputs)
+        chain = 1
+        if superseded is not None and self.replays == superseded.replays_then:
+            # NOTE: the recording it replaces never replayed after its own call.
+            chain = superseded.chain + 1
+            if chain > REALLOCATED_CHAIN:
+                self._decline(table, superseded, inputs)
+                return None
         if superseded is not None:
             # NOTE: the in-place inputs it reads moved with their storage (FSDP2
             # frees each unsharded parameter's memory after use and allocates it
@@ -512,6 +533,7 @@ class CapturedSegment:
             ),
         )
         rec.inplace_idx, rec.stable_idx, rec.copy_idx = inplace_idx, stable_idx, copy_idx
+        rec.chain = chain
         self._prepare(rec, inputs)
         in_place = {storage_id(inputs[i]) for i in inplace_idx}
         copy_targets = [inputs[i] for i in rec.copyback_idx]
@@ -523,13 +545,16 @@ class CapturedSegment:
         if copy_targets:
             foreach_copy_(copy_targets, rec.copyback_bufs)
         self.replays += 1
+        rec.replays_then = self.replays
         for p in rec.clone_idx:
             originals[p] = originals[p].clone()
         return originals
 
     def _admit(self, table: _Table, inputs: list[Any], alternate: bool) -> bool | None:
         """Whether this recording is an alternate one (spends no budget), or ``None``
-        when the budget is spent (warned once)."""
+        when the budget is spent (warned once) or the shape was declined."""
+        if table.declined:
+            return None
         limit = max(1, self.spec.options.max_recording)
         if not table.unstable and _stable_input_moved(table, inputs):
             # NOTE: not a static input's new address: no budget is spent, and
@@ -789,6 +814,29 @@ class CapturedSegment:
         # NOTE: a dead recording's memory may be reused at the same address;
         # forget it as managed when the recording goes.
         weakref.finalize(rec, _forget, rec.managed)
+
+    def _decline(self, table: _Table, last: _Recording, inputs: list[Any]) -> None:
+        """Give up this shape: its static inputs moved with their storage before every
+        replay, so each recording would be used once (a capture per call, and its pool
+        held besides the memory of the uncaptured run once the budget is spent). Its
+        recordings go (their memory back to the allocator) and the calls run uncaptured."""
+        table.declined = True
+        for rec in list(table.recordings):
+            rec.pool.retire(rec, rec.pool.held(rec))
+        moved = _moved(last, inputs)
+        i = moved[0]
+        names = ", ".join(self.spec.input_names[k] for k in moved[:4])
+        more = f" and {len(moved) - 4} more" if len(moved) > 4 else ""
+        self._skip(
+            CudagraphRefusalKind.INPUT_REALLOCATED,
+            f"static inputs {names}{more} got new memory on each of the last "
+            f"{REALLOCATED_CHAIN + 1} calls (the same storage freed and allocated again, as "
+            "FSDP2 does with its unsharded parameters), so no recording replayed twice; "
+            "this segment now runs uncaptured and its recordings' memory is released",
+            "capture the whole training step with torchloom.capture_step (FSDP2's "
+            "all-gathers inside the graph), or keep these tensors' storage allocated",
+            where=self.spec.input_sources[i],
+        )
 
     def _warn_budget(self, table: _Table, inputs: list[Any]) -> None:
         last = table.last or (table.recordings[-1] if table.recordings else None)
