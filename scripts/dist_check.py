@@ -276,6 +276,14 @@ def _inputs(args: argparse.Namespace, device: torch.device) -> list[torch.Tensor
 GRAD_REL_TOL = 1e-3
 
 
+def _agrees(cmp: dict[str, Any], tol: float) -> bool:
+    """Whether a :func:`_compare` result is within ``tol`` (losses, gradients) and
+    :data:`GRAD_REL_TOL` (the gradients' relative L2 error)."""
+    return bool(
+        cmp["loss_diff"] <= tol and cmp["grad_diff"] <= tol and cmp["grad_rel"] <= GRAD_REL_TOL
+    )
+
+
 def _compare(eager: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
     """Largest absolute loss difference, largest absolute and relative L2 gradient error."""
     loss_diff = max(abs(a - b) for a, b in zip(eager["losses"], got["losses"], strict=True))
@@ -408,12 +416,7 @@ def _hf_run(
     report = _report()
     cmp = _compare(sides["eager"], sides["loom"])
     tol = args.tol
-    ok = (
-        cmp["loss_diff"] <= tol
-        and cmp["grad_diff"] <= tol
-        and cmp["grad_rel"] <= GRAD_REL_TOL
-        and not report["fallbacks"]
-    )
+    ok = _agrees(cmp, tol) and not report["fallbacks"]
     return {
         "verdict": "PASS" if ok else "FAIL",
         "model": "LlamaForCausalLM (config, random weights)",
@@ -601,11 +604,8 @@ def _ddp_verdict(
         result[side] = {"error": got["error"]} if "error" in got else _compare(out["eager"], got)
     main = args.backend
     cmp = result[main]
-    ok = (
-        cmp["loss_diff"] <= args.tol
-        and cmp["grad_diff"] <= args.tol
-        and cmp["grad_rel"] <= GRAD_REL_TOL
-        and (args.backend != "loom" or (loom["graphs"] > 1 and not loom["fallbacks"]))
+    ok = _agrees(cmp, args.tol) and (
+        args.backend != "loom" or (loom["graphs"] > 1 and not loom["fallbacks"])
     )
     step_ms = {side: got.get("step_ms") for side, got in out.items()}
     ratio = None
@@ -642,12 +642,7 @@ def run_ddp(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     out, loom = _ddp_sides(args, device, sides)
     verdict = _ddp_verdict(args, out, loom, reference)
     sequential = _ddp_sequential(args, device)
-    ok = (
-        verdict.pop("ok")
-        and sequential["inner_compiled"]["loss_diff"] <= args.tol
-        and sequential["inner_compiled"]["grad_diff"] <= args.tol
-        and sequential["inner_compiled"]["grad_rel"] <= GRAD_REL_TOL
-    )
+    ok = verdict.pop("ok") and _agrees(sequential["inner_compiled"], args.tol)
     result = {
         "verdict": "PASS" if ok else "FAIL",
         "backend": args.backend,
@@ -733,12 +728,8 @@ def run_cache(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         r.get("agreed", 0) == r.get("hit", 0) + r.get("miss", 0) for r in per_rank
     )
     ok = (
-        cmp["loss_diff"] <= args.tol
-        and cmp["grad_diff"] <= args.tol
-        and cmp["grad_rel"] <= GRAD_REL_TOL
-        and seq["loss_diff"] <= args.tol
-        and seq["grad_diff"] <= args.tol
-        and seq["grad_rel"] <= GRAD_REL_TOL
+        _agrees(cmp, args.tol)
+        and _agrees(seq, args.tol)
         and not report["fallbacks"]
         and (hits_ok if args.expect_hits else stored_ok)
         and agreed_ok
@@ -793,12 +784,7 @@ def run_fsdp2_cudagraphs(args: argparse.Namespace, device: torch.device) -> dict
     cg = report["entries"].get("cudagraph", {})
     collective_named = any(s.startswith("collective:") for s in report["cudagraph_skips"])
     captured = cg.get("recording", 0) > 0
-    ok = (
-        cmp["loss_diff"] <= args.tol
-        and cmp["grad_diff"] <= args.tol
-        and cmp["grad_rel"] <= GRAD_REL_TOL
-        and (captured or collective_named)
-    )
+    ok = _agrees(cmp, args.tol) and (captured or collective_named)
     peaks, eager_peaks = _gather(sides["loom"]["peak"]), _gather(sides["eager"]["peak"])
     ratios = [p / e if e else None for p, e in zip(peaks, eager_peaks, strict=True)]
     worst = max((r for r in ratios if r is not None), default=None)
