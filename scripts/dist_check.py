@@ -93,6 +93,7 @@ import gc
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -1270,6 +1271,10 @@ def main() -> int:
             result = RUNNERS[name](args, device)
             error = None
         except Exception as exc:  # report and go on with the next configuration
+            # NOTE: the whole traceback, on this rank's stderr: after a CUDA fault the
+            # gather below raises too, and the first error would be lost.
+            traceback.print_exc()
+            sys.stderr.flush()
             result, error = {}, _short_error(exc)
         errors = _gather(error)
         if any(errors):
