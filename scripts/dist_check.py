@@ -243,12 +243,11 @@ def _steps(
             if eager_first and i == 0
             else contextlib.nullcontext()
         )
+        saving = (
+            torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
+        )
         with stance:
-            with (
-                torch.autograd.graph.saved_tensors_hooks(*hooks)
-                if hooks
-                else contextlib.nullcontext()
-            ):
+            with saving:
                 loss = run(x)
             loss.backward()
         grads.append(_full_grads(model))
@@ -283,6 +282,11 @@ def _agrees(cmp: dict[str, Any], tol: float) -> bool:
     return bool(
         cmp["loss_diff"] <= tol and cmp["grad_diff"] <= tol and cmp["grad_rel"] <= GRAD_REL_TOL
     )
+
+
+def _tolerance(tol: float) -> str:
+    """What :func:`_agrees` bounds, for a result's ``tolerance`` field."""
+    return f"abs {tol:g}, grad rel {GRAD_REL_TOL:g}"
 
 
 def _compare(eager: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
@@ -422,7 +426,7 @@ def _hf_run(
         "verdict": "PASS" if ok else "FAIL",
         "model": "LlamaForCausalLM (config, random weights)",
         "compiled_autograd": compiled_autograd,
-        "tolerance": f"abs {tol:g}, grad rel {GRAD_REL_TOL:g}",
+        "tolerance": _tolerance(tol),
         "eager_losses": sides["eager"]["losses"],
         "losses": sides["loom"]["losses"],
         "peaks": _gather(sides["loom"]["peak"]),
@@ -648,7 +652,7 @@ def run_ddp(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "verdict": "PASS" if ok else "FAIL",
         "backend": args.backend,
         "codegen": args.codegen if args.backend == "loom" else None,
-        "tolerance": f"abs {args.tol:g}, grad rel {GRAD_REL_TOL:g}",
+        "tolerance": _tolerance(args.tol),
         "bucket_cap_mb": args.bucket_cap_mb,
         "sequential": sequential,
         **verdict,
