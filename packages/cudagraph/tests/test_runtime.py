@@ -430,6 +430,42 @@ def test_inputs_are_freed_from_the_boxed_list() -> None:
     assert args == []
 
 
+def test_an_input_read_in_place_lives_until_the_first_replay_has_read_it() -> None:
+    # A non-dense view is read in place, and no loom pool owns its memory; the
+    # call's input list holds it alone, so the code frees it during the capture.
+    # The first replay comes right after and reads its address: on CUDA, memory the
+    # caching allocator may have given back to the driver (``empty_cache`` runs
+    # around each capture), so the record call must keep such inputs alive until
+    # that replay is done. HostCapturer refuses a first replay over a freed input.
+    run, cap = compile_host(lambda x: x * 2, torch.randn(4, 6)[:, ::2])
+    for _ in range(3):
+        base = torch.randn(4, 6)
+        expected = base[:, ::2] * 2
+        args = [base[:, ::2]]
+        del base
+        (out,) = run(args)
+        torch.testing.assert_close(out, expected)
+        del out
+    assert cap.captures >= 1 and cap.replays >= 1
+
+
+def test_host_capturer_refuses_a_first_replay_that_reads_a_freed_input() -> None:
+    # The stand-in's own check, which the test above relies on: it must fire.
+    cap = HostCapturer()
+    base = torch.randn(4, 6)
+    args: list[Any] = [base[:, ::2]]
+    del base
+
+    def fn(inputs: list[Any]) -> list[Any]:
+        (x,) = inputs
+        inputs.clear()
+        return [x * 2]
+
+    graph, _outs = cap.capture(fn, args, object())
+    with pytest.raises(RuntimeError, match=r"first replay reads inputs \[0\]"):
+        cap.replay(graph)
+
+
 class _Rec:
     def __init__(self) -> None:
         self.order = -1

@@ -32,9 +32,11 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from loom_cudagraph._torch_compat import (
+    StorageWeakRef,
     clear_cublas_workspaces,
     cuda_graph_replay,
     non_owning_alias,
+    storage_weak_ref,
 )
 
 __all__ = ["Capturer", "CudaCapturer", "HostCapturer"]
@@ -193,7 +195,12 @@ class _HostGraph:
     """A segment's host graph: ``fn(inputs)`` again, written into the outputs' memory."""
 
     def __init__(
-        self, fn: SegmentFn, inputs: list[Any], memory: list[Any], owners: list[_HostGraph]
+        self,
+        fn: SegmentFn,
+        inputs: list[Any],
+        memory: list[Any],
+        owners: list[_HostGraph],
+        unowned: dict[int, StorageWeakRef],
     ) -> None:
         self.fn = fn
         self.inputs = inputs
@@ -201,9 +208,23 @@ class _HostGraph:
         self.memory = memory
         #: graphs whose memory ``inputs`` view without owning it
         self.owners = owners
+        #: position -> the storage of each input that no earlier graph owns
+        self.unowned = unowned
         self.replays = 0
 
     def replay(self) -> None:
+        if self.replays == 0:
+            # NOTE: on CUDA, the first replay comes right after the capture, with
+            # the capture's own input addresses: an input no pool owns that died
+            # meanwhile may be the driver's memory by now (an illegal address).
+            freed = sorted(i for i, ref in self.unowned.items() if ref.expired())
+            if freed:
+                raise RuntimeError(
+                    f"HostCapturer: the first replay reads inputs {freed}, whose memory "
+                    "was freed after the capture (no pool owns it): on CUDA this reads "
+                    "an address the allocator may have given back to the driver"
+                )
+            self.unowned = {}
         self.replays += 1
         _write_into(self.memory, self.fn(list(self.inputs)))
 
@@ -236,14 +257,20 @@ def _strided(v: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _undone(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+def _undone(
+    tensors: Sequence[torch.Tensor], refs: Sequence[StorageWeakRef | None] = ()
+) -> Iterator[None]:
     """The block's writes to ``tensors`` undone when it ends (a CUDA capture executes
-    nothing: only replays change state, as on the device)."""
+    nothing: only replays change state, as on the device). ``refs``: per tensor, the
+    storage it views without owning, if any; one that died in the block is skipped
+    (its memory is the host allocator's again)."""
     saved = [t.clone() for t in tensors]
     yield
+    alive = list(refs) + [None] * (len(tensors) - len(refs))
     with torch.no_grad():
-        for t, s in zip(tensors, saved, strict=True):
-            t.copy_(s)
+        for t, s, ref in zip(tensors, saved, alive, strict=True):
+            if ref is None or not ref.expired():
+                t.copy_(s)
 
 
 class HostCapturer:
@@ -268,23 +295,30 @@ class HostCapturer:
         self.captures += 1
         owners: list[_HostGraph] = []
         kept: list[Any] = []
-        for v in inputs:
+        refs: list[StorageWeakRef | None] = []
+        unowned: dict[int, StorageWeakRef] = {}
+        for i, v in enumerate(inputs):
             if not _strided(v) or v.untyped_storage().data_ptr() == 0:
                 kept.append(v)
+                refs.append(None)
                 continue
             owner = self._owners.get(v.untyped_storage().data_ptr())
             if owner is not None:
                 # an earlier graph's output: view it (it may die, the memory stays)
                 owners.append(owner)
+                refs.append(None)
+            else:
+                refs.append(unowned.setdefault(i, storage_weak_ref(v)))
             # NOTE: as a CUDA graph, read the inputs' memory without owning it: a
             # replay comes only with a live tensor at each address the runtime reads
             # in place, and its own buffers hold the rest. Held here, an earlier
             # recording's output read in place would count as held for good.
             kept.append(non_owning_alias(v))
         del v  # NOTE: the list is the capture's: hold no input past its last use
-        tensors = [t for t in kept if isinstance(t, torch.Tensor)]
+        tensor_at = [p for p, t in enumerate(kept) if isinstance(t, torch.Tensor)]
+        tensors = [kept[p] for p in tensor_at]
         input_memory = {t.untyped_storage().data_ptr() for t in tensors if _strided(t)}
-        with _undone(tensors):
+        with _undone(tensors, [refs[p] for p in tensor_at]):
             outputs = list(fn(inputs))
         # NOTE: an output over an input's memory (passed through, or a view) is not
         # the graph's to keep or write: a CUDA graph holds no reference to it either.
@@ -292,7 +326,7 @@ class HostCapturer:
             None if _strided(o) and o.untyped_storage().data_ptr() in input_memory else o
             for o in outputs
         ]
-        graph = _HostGraph(fn, kept, memory, owners)
+        graph = _HostGraph(fn, kept, memory, owners, unowned)
         handed: list[Any] = []
         for o in outputs:
             if _strided(o) and not o.requires_grad:

@@ -537,11 +537,21 @@ class CapturedSegment:
         self._prepare(rec, inputs)
         in_place = {storage_id(inputs[i]) for i in inplace_idx}
         copy_targets = [inputs[i] for i in rec.copyback_idx]
+        # NOTE: the capture takes ``inputs`` over, so an input the segment's code
+        # frees early dies during the capture, and the replay right after it reads
+        # the input's old address. For memory of a loom pool that is fine (the pool
+        # keeps it). Any other memory is the caching allocator's: ``empty_cache``
+        # (run around each capture) may give the block back to the driver, and the
+        # replay faults. So every in-place input that no pool owns is held here
+        # until this first replay has read it. (FSDP2 under compiled autograd: the
+        # q/k/v views saved by a forward that was declined, read by the backward.)
+        unowned = [inputs[i] for i in inplace_idx if not is_managed(inputs[i])]
         originals = self._capture_into(rec, inputs)
         if rec.graph is None:  # the capture failed: the call ran uncaptured
             return originals
         self._install(rec, originals, in_place, views, alternate)
         rec.replay()
+        del unowned
         if copy_targets:
             foreach_copy_(copy_targets, rec.copyback_bufs)
         self.replays += 1
