@@ -10,6 +10,10 @@
 #   GPU_TESTS_ARGS="-x" GPU_TESTS_K="cudagraph or cache" GPU_BENCHES="bench_cudagraph" bash scripts/gpu_tier.sh
 #   GPU_TIER=bench GPU_BENCHES="bench_default" BENCH_ARGS="--workloads gpt_train" bash scripts/gpu_tier.sh
 #   GPU_TIER=tests GPU_TIER_PY312=0 bash scripts/gpu_tier.sh   # the gpu tests alone
+#   GPU_TIER=dist bash scripts/gpu_tier.sh   # scripts/dist_check.py on 2 ranks (torchrun, NCCL)
+#   GPU_TIER=dist GPU_DIST_NPROC=4 GPU_DIST_RUNS=3 GPU_DIST_ARGS="--config fsdp2-cudagraphs" bash scripts/gpu_tier.sh
+#       # the distributed checks are not part of `all`: they need 2 or more GPUs. Each run
+#       # writes $OUT/dist-<ranks>-<run>.json; every run's verdict line is printed
 #   REDIS_PY_WHEEL=redis-*.whl REDIS_DEBS=DIR bash scripts/gpu_tier.sh
 #       # the GPU image has neither redis-py nor a redis-server: given a redis-py wheel
 #       # (unzipped onto PYTHONPATH) and the .deb files of scripts/unpack_redis.sh, the
@@ -47,6 +51,27 @@ print("python", sys.version.split()[0], "| torch", torch.__version__,
 import torch._dynamo.backends.registry as r
 assert "loom" in r.list_backends(exclude_tags=()), "loom backend not registered"
 PYEOF
+
+if [ "${GPU_TIER:-all}" = dist ]; then
+  nproc=${GPU_DIST_NPROC:-2}
+  # NOTE: one cache directory for every run, as ranks of one job share theirs
+  export TORCHLOOM_CACHE_DIR=${TORCHLOOM_CACHE_DIR:-$SITE/loom-cache}
+  for run in $(seq 1 "${GPU_DIST_RUNS:-1}"); do
+    echo "=== dist_check on $nproc ranks, run $run"
+    # NOTE: as a user runs it: TORCHLOOM_CHECKS (the tests' internal checks) off, and
+    # NCCL's async error handling off, which capture_step's DDP and FSDP2 steps need
+    # shellcheck disable=SC2086
+    env -u TORCHLOOM_CHECKS TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-0}" \
+      timeout "${DIST_TIMEOUT:-600}" "$PY" -m torch.distributed.run --nproc-per-node "$nproc" \
+      scripts/dist_check.py --json "$OUT/dist-$nproc-$run.json" ${GPU_DIST_ARGS:-} \
+      > "$OUT/dist-$nproc-$run.log" 2>&1
+    rc=$?
+    grep -E "^verdict" "$OUT/dist-$nproc-$run.log" || tail -20 "$OUT/dist-$nproc-$run.log"
+    [ "$rc" -eq 0 ] || { echo "!!! dist_check run $run exited with $rc"; status=1; }
+  done
+  echo "gpu tier finished with status $status"
+  exit $status
+fi
 
 if [ "${GPU_TIER:-all}" != bench ]; then
   echo "=== gpu tests"
