@@ -466,6 +466,34 @@ def test_host_capturer_refuses_a_first_replay_that_reads_a_freed_input() -> None
         cap.replay(graph)
 
 
+def test_host_capturer_takes_inputs_whose_storage_holds_no_memory() -> None:
+    # FSDP-style: the weight's storage is freed between uses and the graph allocates
+    # it (resize), fills it and frees it again. Nothing of it is saved or restored
+    # around the capture (it had no memory, then none again); the host stand-in
+    # crashed cloning it before.
+    cap = HostCapturer()
+    w = torch.empty(4, 4)
+    w.untyped_storage().resize_(0)
+    shard = torch.randn(4, 4)
+
+    def fn(inputs: list[Any]) -> list[Any]:
+        weight, x = inputs
+        inputs.clear()
+        weight.untyped_storage().resize_(weight.numel() * weight.element_size())
+        with torch.no_grad():
+            weight.copy_(shard)
+        out = x @ weight
+        weight.untyped_storage().resize_(0)
+        return [out]
+
+    x = torch.randn(2, 4)
+    graph, (out,) = cap.capture(fn, [w, x], object())
+    torch.testing.assert_close(out, x @ shard)
+    assert w.untyped_storage().nbytes() == 0
+    cap.replay(graph)
+    assert w.untyped_storage().nbytes() == 0
+
+
 class _Rec:
     def __init__(self) -> None:
         self.order = -1

@@ -42,13 +42,19 @@ def _steps(model: FSDPPatternStack, forward: Any, x: torch.Tensor, steps: int = 
     return seen
 
 
-def _compare(fill: FillOp, options: dict[str, Any], device: str = "cpu") -> None:
+def _compare(
+    fill: FillOp,
+    options: dict[str, Any],
+    device: str = "cpu",
+    backend: Any = "loom",
+    steps: int = 2,
+) -> None:
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2)).to(device).requires_grad_()
     reference = FSDPPatternStack(2, 16, fill=fill, device=device)
-    want = _steps(reference, reference, x)
+    want = _steps(reference, reference, x, steps)
     model = FSDPPatternStack(2, 16, fill=fill, device=device)
-    compiled = torch.compile(model, backend="loom", options=options, fullgraph=True)
-    got = _steps(model, compiled, x)
+    compiled = torch.compile(model, backend=backend, options=options, fullgraph=True)
+    got = _steps(model, compiled, x, steps)
     for (o1, g1, w1, f1, b1), (o2, g2, w2, f2, b2) in zip(got, want, strict=True):
         torch.testing.assert_close(o1, o2)
         torch.testing.assert_close(g1, g2)
@@ -74,6 +80,25 @@ def test_fsdp_pattern_compiles_and_matches_eager(fill: FillOp) -> None:
         assert len(_messages("rewrite_fills_as_fsdp_copy")) == 2
     forward_code = dict(torchloom.report()[0].graphs)["forward"]
     assert "resize_storage_bytes_" not in forward_code
+
+
+@pytest.mark.parametrize("chains", [True, False], ids=["chains_removed", "chains_kept"])
+@pytest.mark.parametrize("fill", ["fsdp", "copy", "foreach"])
+def test_fsdp_pattern_under_cuda_graphs_matches_eager(fill: FillOp, chains: bool) -> None:
+    """FSDP-style weights (storage freed between uses) in graphs run as CUDA graphs,
+    with ``HostCapturer`` standing in on the CPU: outputs, gradients and every
+    weight's storage size equal eager's over the warm-up, the recording and replays.
+    With the chains kept, the captured graph reads weights whose storage holds no
+    memory when the capture begins (the host stand-in crashed on them before)."""
+    import loom_cudagraph
+
+    capturer = loom_cudagraph.HostCapturer()
+    backend = torchloom.Pipeline(capturer=capturer, cudagraph_device="cpu")
+    options = {**EAGER, "cudagraphs": True, "resize_remove_chains": chains}
+    _compare(fill, options, backend=backend, steps=4)
+    assert capturer.captures >= 2 and capturer.replays >= 2
+    segments = [e for e in torchloom.report().entries("cudagraph") if e.kind == "segment"]
+    assert segments and all(e.get("captured") for e in segments)
 
 
 def test_chain_removal_can_be_turned_off() -> None:
@@ -119,6 +144,18 @@ def test_fsdp_pattern_matches_eager_with_inductor_codegen() -> None:
 @pytest.mark.parametrize("codegen", ["inductor", "eager"])
 def test_fsdp_pattern_matches_eager_on_cuda(codegen: str) -> None:
     _compare("copy", {"codegen": codegen, "cache": False}, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chains", [True, False], ids=["chains_removed", "chains_kept"])
+@pytest.mark.parametrize("codegen", ["inductor", "eager"])
+def test_fsdp_pattern_under_cuda_graphs_on_cuda(codegen: str, chains: bool) -> None:
+    # CUDA graphs with the weights freed between uses: with the chains kept, the
+    # captured graph itself allocates (resize), fills and frees each weight
+    options = {"codegen": codegen, "cache": False, "cudagraphs": True}
+    _compare("copy", {**options, "resize_remove_chains": chains}, device="cuda", steps=4)
+    segments = [e for e in torchloom.report().entries("cudagraph") if e.kind == "segment"]
+    assert segments and all(e.get("captured") for e in segments)
 
 
 def test_same_parameter_reaching_the_graph_twice_is_one_input() -> None:

@@ -35,6 +35,7 @@ from loom_cudagraph._torch_compat import (
     StorageWeakRef,
     clear_cublas_workspaces,
     cuda_graph_replay,
+    holds_own_memory,
     non_owning_alias,
     storage_weak_ref,
 )
@@ -256,21 +257,47 @@ def _strided(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and v.layout == torch.strided
 
 
+def _backed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds memory (FSDP-style code frees a parameter's
+    storage between uses with ``untyped_storage().resize_(0)``). A wrapper
+    subclass (a DTensor shard) counts as backed: its inner tensors hold its memory."""
+    if not holds_own_memory(t):
+        return True
+    storage = t.untyped_storage()
+    return storage.data_ptr() != 0 and storage.nbytes() > 0
+
+
 @contextlib.contextmanager
 def _undone(
-    tensors: Sequence[torch.Tensor], refs: Sequence[StorageWeakRef | None] = ()
+    tensors: Sequence[torch.Tensor],
+    storages: Sequence[weakref.ref[torch.UntypedStorage] | None] = (),
 ) -> Iterator[None]:
     """The block's writes to ``tensors`` undone when it ends (a CUDA capture executes
-    nothing: only replays change state, as on the device). ``refs``: per tensor, the
-    storage it views without owning, if any; one that died in the block is skipped
-    (its memory is the host allocator's again)."""
-    saved = [t.clone() for t in tensors]
+    nothing on the device: only replays change values, as there).
+
+    ``storages``: per tensor, a weak reference to the input's own storage where
+    ``tensors`` holds an alias that does not own its memory, else ``None`` (the
+    tensor's own storage, or memory an earlier host graph owns, which stays when
+    the input dies). A tensor whose storage held no memory when the block began
+    has nothing to restore; one whose storage the block freed (resized to 0, or
+    let die) keeps what the block did: resizing is the allocator's work on the
+    host, which a CUDA capture does too.
+    """
+    where = list(storages) + [None] * (len(tensors) - len(storages))
+    saved = [t.clone() if _backed(t) else None for t in tensors]
     yield
-    alive = list(refs) + [None] * (len(tensors) - len(refs))
     with torch.no_grad():
-        for t, s, ref in zip(tensors, saved, alive, strict=True):
-            if ref is None or not ref.expired():
-                t.copy_(s)
+        for t, ref, value in zip(tensors, where, saved, strict=True):
+            if value is None:
+                continue
+            if ref is not None:
+                storage = ref()
+                freed = storage is None or storage.nbytes() == 0
+                del storage
+            else:
+                freed = not _backed(t)
+            if not freed:
+                t.copy_(value)
 
 
 class HostCapturer:
@@ -295,20 +322,21 @@ class HostCapturer:
         self.captures += 1
         owners: list[_HostGraph] = []
         kept: list[Any] = []
-        refs: list[StorageWeakRef | None] = []
+        storages: list[weakref.ref[torch.UntypedStorage] | None] = []
         unowned: dict[int, StorageWeakRef] = {}
         for i, v in enumerate(inputs):
             if not _strided(v) or v.untyped_storage().data_ptr() == 0:
                 kept.append(v)
-                refs.append(None)
+                storages.append(None)
                 continue
             owner = self._owners.get(v.untyped_storage().data_ptr())
             if owner is not None:
                 # an earlier graph's output: view it (it may die, the memory stays)
                 owners.append(owner)
-                refs.append(None)
+                storages.append(None)
             else:
-                refs.append(unowned.setdefault(i, storage_weak_ref(v)))
+                unowned[i] = storage_weak_ref(v)
+                storages.append(weakref.ref(v.untyped_storage()))
             # NOTE: as a CUDA graph, read the inputs' memory without owning it: a
             # replay comes only with a live tensor at each address the runtime reads
             # in place, and its own buffers hold the rest. Held here, an earlier
@@ -318,7 +346,7 @@ class HostCapturer:
         tensor_at = [p for p, t in enumerate(kept) if isinstance(t, torch.Tensor)]
         tensors = [kept[p] for p in tensor_at]
         input_memory = {t.untyped_storage().data_ptr() for t in tensors if _strided(t)}
-        with _undone(tensors, [refs[p] for p in tensor_at]):
+        with _undone(tensors, [storages[p] for p in tensor_at]):
             outputs = list(fn(inputs))
         # NOTE: an output over an input's memory (passed through, or a view) is not
         # the graph's to keep or write: a CUDA graph holds no reference to it either.

@@ -26,6 +26,7 @@ __all__ = [
     "data_ptrs_at_indices_equal",
     "foreach_copy_",
     "free_unbacked_symbols",
+    "holds_own_memory",
     "is_fake_or_meta",
     "is_mutable_op",
     "mark_boxed",
@@ -62,6 +63,14 @@ def storage_weak_ref(t: torch.Tensor) -> StorageWeakRef:
 
     ref: StorageWeakRef = _Ref(t.untyped_storage())  # type: ignore[no-untyped-call]
     return ref
+
+
+def holds_own_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is memory of its own (a wrapper subclass such as
+    DTensor has a storage that is no memory at all: its inner tensors hold it)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return not is_traceable_wrapper_subclass(t)
 
 
 def non_owning_alias(
