@@ -280,8 +280,8 @@ def _undone(
     tensor's own storage, or memory an earlier host graph owns, which stays when
     the input dies). A tensor whose storage held no memory when the block began
     has nothing to restore; one whose storage the block freed (resized to 0, or
-    let die) keeps what the block did: resizing is the allocator's work on the
-    host, which a CUDA capture does too.
+    let die) or moved keeps what the block did: resizing is the allocator's work
+    on the host, which a CUDA capture does too.
     """
     where = list(storages) + [None] * (len(tensors) - len(storages))
     saved = [t.clone() if _backed(t) else None for t in tensors]
@@ -291,12 +291,18 @@ def _undone(
             if value is None:
                 continue
             if ref is not None:
+                # NOTE: ``t`` reads the memory the input had when the block began;
+                # memory the block allocated for it anew (a resize) is elsewhere.
                 storage = ref()
-                freed = storage is None or storage.nbytes() == 0
+                gone = (
+                    storage is None
+                    or storage.nbytes() == 0
+                    or storage.data_ptr() != t.untyped_storage().data_ptr()
+                )
                 del storage
             else:
-                freed = not _backed(t)
-            if not freed:
+                gone = not _backed(t)
+            if not gone:
                 t.copy_(value)
 
 
