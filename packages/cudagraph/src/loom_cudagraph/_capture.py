@@ -32,13 +32,16 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from loom_cudagraph._torch_compat import (
-    StorageWeakRef,
     clear_cublas_workspaces,
     cuda_graph_replay,
     holds_own_memory,
     non_owning_alias,
-    storage_weak_ref,
 )
+
+#: A weak reference to an input's storage. The Python storage object lives exactly as
+#: long as the storage (PyTorch preserves it while the C++ side holds the storage), so
+#: ``ref() is None`` once the memory went back to the allocator.
+StorageRef = weakref.ref[torch.UntypedStorage]
 
 __all__ = ["Capturer", "CudaCapturer", "HostCapturer"]
 
@@ -201,7 +204,7 @@ class _HostGraph:
         inputs: list[Any],
         memory: list[Any],
         owners: list[_HostGraph],
-        unowned: dict[int, StorageWeakRef],
+        unowned: dict[int, StorageRef],
     ) -> None:
         self.fn = fn
         self.inputs = inputs
@@ -218,7 +221,7 @@ class _HostGraph:
             # NOTE: on CUDA, the first replay comes right after the capture, with
             # the capture's own input addresses: an input no pool owns that died
             # meanwhile may be the driver's memory by now (an illegal address).
-            freed = sorted(i for i, ref in self.unowned.items() if ref.expired())
+            freed = sorted(i for i, ref in self.unowned.items() if ref() is None)
             if freed:
                 raise RuntimeError(
                     f"HostCapturer: the first replay reads inputs {freed}, whose memory "
@@ -270,7 +273,7 @@ def _backed(t: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def _undone(
     tensors: Sequence[torch.Tensor],
-    storages: Sequence[weakref.ref[torch.UntypedStorage] | None] = (),
+    storages: Sequence[StorageRef | None] = (),
 ) -> Iterator[None]:
     """The block's writes to ``tensors`` undone when it ends (a CUDA capture executes
     nothing on the device: only replays change values, as there).
@@ -328,9 +331,8 @@ class HostCapturer:
         self.captures += 1
         owners: list[_HostGraph] = []
         kept: list[Any] = []
-        storages: list[weakref.ref[torch.UntypedStorage] | None] = []
-        unowned: dict[int, StorageWeakRef] = {}
-        for i, v in enumerate(inputs):
+        storages: list[StorageRef | None] = []
+        for v in inputs:
             if not _strided(v) or v.untyped_storage().data_ptr() == 0:
                 kept.append(v)
                 storages.append(None)
@@ -341,7 +343,6 @@ class HostCapturer:
                 owners.append(owner)
                 storages.append(None)
             else:
-                unowned[i] = storage_weak_ref(v)
                 storages.append(weakref.ref(v.untyped_storage()))
             # NOTE: as a CUDA graph, read the inputs' memory without owning it: a
             # replay comes only with a live tensor at each address the runtime reads
@@ -360,6 +361,7 @@ class HostCapturer:
             None if _strided(o) and o.untyped_storage().data_ptr() in input_memory else o
             for o in outputs
         ]
+        unowned = {i: ref for i, ref in enumerate(storages) if ref is not None}
         graph = _HostGraph(fn, kept, memory, owners, unowned)
         handed: list[Any] = []
         for o in outputs:

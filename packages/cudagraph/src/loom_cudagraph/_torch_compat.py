@@ -20,7 +20,6 @@ __all__ = [
     "HigherOrderOperator",
     "OpOverload",
     "OpOverloadPacket",
-    "StorageWeakRef",
     "clear_cublas_workspaces",
     "cuda_graph_replay",
     "data_ptrs_at_indices_equal",
