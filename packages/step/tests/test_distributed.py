@@ -13,6 +13,7 @@ import traceback
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -158,3 +159,54 @@ def test_a_failed_capture_names_the_users_line_and_the_library_frame_that_raised
     assert reason.origin.startswith("torch/distributed/distributed_c10d.py:")
     assert " in _get_default_group: " in reason.origin
     assert f"(raised in {reason.origin})" in str(reason) and reason.hint == "the hint"
+
+
+def test_a_returned_dtensor_norm_held_across_replays_keeps_its_value(fake_group: None) -> None:
+    """An FSDP2 step that clips and returns the total norm (a DTensor, whose memory is
+    its local tensor): each norm the caller holds keeps its own value while later
+    replays overwrite the recording's output (it crashed in ``protect_outputs``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    import loom_cudagraph
+    import loom_step
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def model_and_opt() -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(4, 4, bias=False)
+        weight = DTensor.from_local(layer.weight.detach()[:2].clone(), mesh, [Shard(0)])
+        layer.weight = torch.nn.Parameter(weight)
+        return layer, torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    def make_step(layer: torch.nn.Linear, opt: torch.optim.Optimizer) -> Any:
+        def train_step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            opt.zero_grad()
+            loss = layer(DTensor.from_local(x, mesh, [Replicate()])).pow(2).sum()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(layer.parameters(), 0.5)
+            opt.step()
+            return loss, norm
+
+        return train_step
+
+    inputs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    eager = make_step(*model_and_opt())
+    want = [tuple(t.to_local().item() for t in eager(x)) for x in inputs]
+
+    layer, opt = model_and_opt()
+    step = loom_step.capture_step(
+        make_step(layer, opt),
+        capturer=loom_cudagraph.HostCapturer(),
+        options=loom_step.StepOptions(warmup=1),
+    )
+    held = [step(x) for x in inputs]
+    stats = step.stats()
+    assert (stats.recordings, stats.replays) == (1, len(inputs) - 1), stats.format()
+    assert all(isinstance(norm, DTensor) for _, norm in held)
+    got = [tuple(t.to_local().item() for t in out) for out in held]
+    assert [v for pair in got for v in pair] == pytest.approx(
+        [v for p in want for v in p], rel=1e-6
+    )
+    assert len({norm for _, norm in got}) == len(inputs)  # each step's own norm

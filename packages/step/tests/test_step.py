@@ -456,7 +456,8 @@ def _recording_with_output(static: torch.Tensor) -> Recording:
         handed=[None],
     )
     count = storage_counter(static)
-    rec.out_watch = [(0, count, count())]
+    rec.out_watch = [(0, (), count, count())]
+    rec.tensor_pos = [0]
     return rec
 
 

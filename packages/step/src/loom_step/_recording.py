@@ -48,8 +48,10 @@ class Recording:
     fill: list[torch.Tensor]
     out_tree: Any
     outs: list[Any]
-    #: (position in ``outs``, storage use count, its baseline) of each tensor output
-    out_watch: list[tuple[int, Callable[[], int], int]]
+    #: (position in ``outs``, path to a plain tensor holding its memory, that memory's
+    #: storage use count, its baseline) of each tensor output (a ``DTensor``'s memory
+    #: is its local tensor's: see ``compat.memory_tensors``)
+    out_watch: list[tuple[int, tuple[str, ...], Callable[[], int], int]]
     #: each parameter with what its ``.grad`` is after the step (set after a replay
     #: reached through the full guard, which accepts any gradient where the step replaces it)
     exit_pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
@@ -70,6 +72,8 @@ class Recording:
     clone_outputs: bool = False
     #: the output tensors handed out by the last replay (weakly: the caller holds them)
     handed: list[weakref.ref[torch.Tensor] | None] = dataclasses.field(default_factory=list)
+    #: the positions in ``outs`` of the tensor outputs
+    tensor_pos: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -212,22 +216,29 @@ def new_recording(
         clone_outputs=clone_outputs,
         handed=[None] * len(made.outs),
     )
+    rec.tensor_pos = [k for k, o in enumerate(rec.outs) if isinstance(o, torch.Tensor)]
     counters = [
-        (k, compat.storage_counter(o))
-        for k, o in enumerate(rec.outs)
-        if isinstance(o, torch.Tensor)
+        (k, path, compat.storage_counter(inner))
+        for k in rec.tensor_pos
+        for path, inner in compat.memory_tensors(rec.outs[k])
     ]
-    rec.out_watch = [(k, count, count()) for k, count in counters]
+    rec.out_watch = [(k, path, count, count()) for k, path, count in counters]
     return rec
 
 
 def protect_outputs(rec: Recording) -> bool:
     """Move each output of the last replay that the caller still holds to fresh
     memory (the replay is about to overwrite the recording's); ``False`` when a
-    view of one is held too (it cannot be moved)."""
+    view of one is held too (it cannot be moved).
+
+    The memory moved is the plain tensor that holds it: the output itself, or the
+    inner tensor of a wrapper subclass (a ``DTensor``'s local tensor, as a step that
+    returns ``clip_grad_norm_``'s total norm under FSDP2 does), which is moved in place
+    so that the caller's wrapper reads the copy."""
     if rec.clone_outputs:
         return True
-    for pos, count, baseline in rec.out_watch:
+    moved: list[int] = []
+    for pos, path, count, baseline in rec.out_watch:
         extra = count() - baseline
         if extra == 0:
             continue
@@ -235,8 +246,11 @@ def protect_outputs(rec: Recording) -> bool:
         alias = ref() if ref is not None else None
         if alias is None or extra != 1:
             return False
+        inner = compat.reach(alias, path)
         with torch.no_grad():
-            copy = alias.clone()
-            alias.set_(copy.untyped_storage(), copy.storage_offset(), copy.size(), copy.stride())
+            copy = inner.clone()
+            inner.set_(copy.untyped_storage(), copy.storage_offset(), copy.size(), copy.stride())
+        moved.append(pos)
+    for pos in moved:
         rec.handed[pos] = None
     return True

@@ -211,7 +211,7 @@ class CapturedStep(Generic[P, R]):
         """Replay ``rec`` for these arguments, then set each ``(p, g)`` of ``grads`` as
         ``p.grad = g``; ``_HELD`` when an output of the last replay is held through a
         view that the replay would overwrite."""
-        for _, count, baseline in rec.out_watch:
+        for _, _, count, baseline in rec.out_watch:
             if count() != baseline:  # an output of the last replay is still referenced
                 if not protect_outputs(rec):
                     return _HELD
@@ -234,7 +234,7 @@ class CapturedStep(Generic[P, R]):
             return alias
         outs = list(rec.outs)
         handed = rec.handed
-        for pos, _, _ in rec.out_watch:
+        for pos in rec.tensor_pos:
             if rec.clone_outputs:
                 outs[pos] = outs[pos].clone()
             else:
@@ -419,7 +419,7 @@ class CapturedStep(Generic[P, R]):
 
     def _held(self, rec: Recording) -> bool:
         """Whether ``rec`` may not replay now (a view of its last outputs is held)."""
-        for _, count, baseline in rec.out_watch:
+        for _, _, count, baseline in rec.out_watch:
             if count() != baseline:
                 return not protect_outputs(rec)
         return False

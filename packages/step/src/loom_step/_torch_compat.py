@@ -33,6 +33,8 @@ __all__ = [
     "host_group",
     "is_fsdp2_module",
     "local_tensor",
+    "memory_tensors",
+    "reach",
     "set_ddp_runtime_logging_sample_rate",
     "storage_counter",
     "storage_use_count",
@@ -143,6 +145,32 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor | None:
         return None
     inner = getattr(t, "_local_tensor", None)
     return inner if isinstance(inner, torch.Tensor) else None
+
+
+def memory_tensors(t: torch.Tensor) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    """The plain tensors that hold ``t``'s memory, each with the attribute path from
+    ``t`` to it: ``t`` itself (path ``()``), or, for a wrapper subclass without memory
+    of its own (a ``DTensor``: its ``_local_tensor``), the inner tensors its
+    ``__tensor_flatten__`` names, recursively."""
+    if t.__class__ in _PLAIN or not _is_wrapper_subclass(t):
+        return [((), t)]
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [
+        ((name, *path), inner) for name in names for path, inner in memory_tensors(getattr(t, name))
+    ]
+
+
+def reach(t: torch.Tensor, path: Sequence[str]) -> torch.Tensor:
+    """The tensor at ``path`` under ``t`` (a path :func:`memory_tensors` gave)."""
+    for name in path:
+        t = getattr(t, name)
+    return t
+
+
+def _is_wrapper_subclass(t: torch.Tensor) -> bool:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return bool(is_traceable_wrapper_subclass(t))
 
 
 def address(t: torch.Tensor) -> int:
