@@ -14,6 +14,10 @@
 #   GPU_TIER=dist GPU_DIST_NPROC=4 GPU_DIST_RUNS=3 GPU_DIST_ARGS="--config fsdp2-cudagraphs" bash scripts/gpu_tier.sh
 #       # the distributed checks are not part of `all`: they need 2 or more GPUs. Each run
 #       # writes $OUT/dist-<ranks>-<run>.json; every run's verdict line is printed
+#   GPU_TIER=scale GPU_SCALE_NPROC=4 GPU_SCALE_ARGS="--regimes compute" bash scripts/gpu_tier.sh
+#       # benchmarks/bench_scale.py (a 1B Llama under FSDP2) under torchrun on that many GPUs;
+#       # writes $OUT/scale-<ranks>.json and appends to benchmarks/results/scale.md. Not part
+#       # of `all` (the bench loop leaves it out unless GPU_BENCHES names it)
 #   REDIS_PY_WHEEL=redis-*.whl REDIS_DEBS=DIR bash scripts/gpu_tier.sh
 #       # the GPU image has neither redis-py nor a redis-server: given a redis-py wheel
 #       # (unzipped onto PYTHONPATH) and the .deb files of scripts/unpack_redis.sh, the
@@ -73,6 +77,20 @@ if [ "${GPU_TIER:-all}" = dist ]; then
   exit $status
 fi
 
+if [ "${GPU_TIER:-all}" = scale ]; then
+  nproc=${GPU_SCALE_NPROC:-1}
+  echo "=== bench_scale on $nproc GPU(s)"
+  # NOTE: as a user runs it: TORCHLOOM_CHECKS off; NCCL's async error handling off
+  # (capture_step's FSDP2 step needs it)
+  # shellcheck disable=SC2086
+  env -u TORCHLOOM_CHECKS TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-0}" \
+    timeout "${SCALE_TIMEOUT:-570}" "$PY" -m torch.distributed.run --nproc-per-node "$nproc" \
+    benchmarks/bench_scale.py --json "$OUT/scale-$nproc.json" ${GPU_SCALE_ARGS:-} 2>&1 | tee "$OUT/scale-$nproc.log"
+  status=${PIPESTATUS[0]}
+  echo "gpu tier finished with status $status"
+  exit "$status"
+fi
+
 if [ "${GPU_TIER:-all}" != bench ]; then
   echo "=== gpu tests"
   # shellcheck disable=SC2086
@@ -94,6 +112,8 @@ if [ "${GPU_TIER:-all}" != tests ]; then
   for bench in benchmarks/bench_*.py; do
     name=$(basename "$bench" .py)
     if [ -n "${GPU_BENCHES:-}" ] && [[ " $GPU_BENCHES " != *" $name "* ]]; then continue; fi
+    # bench_scale runs under torchrun: GPU_TIER=scale
+    if [ -z "${GPU_BENCHES:-}" ] && [ "$name" = bench_scale ]; then continue; fi
     echo "=== $name"
     # shellcheck disable=SC2086
     timeout "${BENCH_TIMEOUT:-300}" "$PY" "$bench" --device cuda ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
