@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dis
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,8 @@ from loom_tracer import (
     TensorMeta,
     TracedHook,
     TraceRefusalKind,
+    _frame,
+    _pyversion,
     trace_hook,
 )
 from loom_tracer._frame import HANDLERS, handles
@@ -43,9 +46,16 @@ def traced(fn: Any, *args: Any) -> TracedHook:
 # ------------------------------------------------------------------ registry
 
 
-def test_registering_an_opcode_this_python_lacks_fails() -> None:
-    with pytest.raises(ValueError, match="no such opcode"):
-        handles("NOT_AN_OPCODE")(lambda frame, inst: None)
+def test_an_opcode_this_python_lacks_is_skipped_and_recorded(monkeypatch: Any) -> None:
+    monkeypatch.setattr(_frame, "UNAVAILABLE", [])
+    handles("NOT_AN_OPCODE")(lambda frame, inst: None)
+    assert _frame.UNAVAILABLE == ["NOT_AN_OPCODE"] and "NOT_AN_OPCODE" not in HANDLERS
+
+
+def test_every_handler_declared_for_this_python_registered() -> None:
+    # dis is the authority: a flag that names an opcode this Python lacks is a bug here.
+    assert _pyversion.BYTECODE_KNOWN, f"no tests run on CPython {_pyversion.PY_VERSION}"
+    assert _frame.UNAVAILABLE == []
 
 
 def test_registering_an_opcode_twice_fails() -> None:
@@ -285,6 +295,54 @@ def test_python_version_checks_live_only_in_pyversion() -> None:
         if p.name != "_pyversion.py" and "version_info" in p.read_text()
     ]
     assert not offenders
+
+
+# A CPython the tracer does not know (3.15, as far as its _pyversion can tell), where
+# the hook's first opcode was renamed (this Python's dis lacks the name the tracer
+# registers). The rest of the process (torch, the standard library) sees the real one.
+_UNKNOWN_PYTHON_SCRIPT = textwrap.dedent(
+    """
+    import dis, importlib.util, json, pathlib, sys
+    import torch
+
+    def pack(t):
+        return t.to(torch.bfloat16)
+
+    renamed = next(i.opname for i in dis.get_instructions(pack) if i.opname != "RESUME")
+    del dis.opmap[renamed]
+    folder = pathlib.Path(importlib.util.find_spec("loom_tracer").origin).parent
+    spec = importlib.util.spec_from_file_location("loom_tracer._pyversion", folder / "_pyversion.py")
+    pyversion = importlib.util.module_from_spec(spec)
+    real, sys.version_info = sys.version_info, (3, 15, 0, "alpha", 0)
+    try:
+        spec.loader.exec_module(pyversion)
+    finally:
+        sys.version_info = real
+    sys.modules[spec.name] = pyversion
+    import loom_tracer
+    from loom_tracer import _frame
+    result = loom_tracer.trace_hook(pack, (torch.randn(4),))
+    print(json.dumps({
+        "renamed": renamed,
+        "unavailable": _frame.UNAVAILABLE,
+        "kind": result.kind.value,
+        "where": result.where,
+        "explanation": result.explanation,
+    }))
+    """
+)
+
+
+def test_an_unknown_python_imports_and_refuses_hooks_naming_version_and_opcode() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNKNOWN_PYTHON_SCRIPT], capture_output=True, text=True, check=True
+    )
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["renamed"] in got["unavailable"]  # skipped at registration, no error
+    assert got["kind"] == "unsupported_python"
+    assert got["where"] == "<string>:6"  # the line of the renamed opcode
+    assert "CPython 3.15" in got["explanation"]
+    assert f"first opcode unknown to the tracer is {got['renamed']}" in got["explanation"]
 
 
 def test_every_refusal_kind_is_documented() -> None:

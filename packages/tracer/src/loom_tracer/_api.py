@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dis
 import logging
 import types
 from collections.abc import Sequence
@@ -22,7 +23,8 @@ from . import (
 )
 from ._context import TraceContext
 from ._fingerprint import compute_fingerprint
-from ._frame import inline_call, make_root_function
+from ._frame import HANDLERS, inline_call, make_root_function
+from ._pyversion import BYTECODE_KNOWN, KNOWN_PYTHONS, PY_VERSION
 from ._refusal import HookUnsupported, Refused, TraceRefusalKind, refuse
 from ._traced import TracedHook
 
@@ -48,8 +50,10 @@ def trace_hook(
             f"the hook is a {type(fn).__qualname__}, not a Python function or method",
             "pass a plain function (wrap callables in a def)",
         )
+    if not BYTECODE_KNOWN:
+        return unsupported_python(func.__code__)
     ctx = TraceContext(_fake_mode_for(example_args), max_depth=max_depth)
-    ctx.where = f"{func.__code__.co_filename.rsplit('/', 1)[-1]}:{func.__code__.co_firstlineno}"
+    ctx.where = _where(func.__code__, func.__code__.co_firstlineno)
     try:
         root = make_root_function(func, ctx)
         args = [ctx.wrap(a, ArgSource(i)) for i, a in enumerate(example_args)]
@@ -106,6 +110,43 @@ def trace_hook(
     )
     log.debug("traced hook %s\n%s", func.__qualname__, traced.describe())
     return traced
+
+
+def unsupported_python(code: types.CodeType) -> HookUnsupported:
+    """The refusal of every hook on a Python whose bytecode the tracer does not know:
+    it names the version and the hook's first opcode without a handler here."""
+    known = ", ".join(f"{major}.{minor}" for major, minor in KNOWN_PYTHONS)
+    first = _first_unhandled(code)
+    if first is None:
+        where = _where(code, code.co_firstlineno)
+        opcode = "every opcode of the hook has a handler, but their meaning here is unchecked"
+    else:
+        inst, inst_code = first
+        line = inst.positions.lineno if inst.positions is not None else None
+        where = _where(inst_code, line or inst_code.co_firstlineno)
+        opcode = f"its first opcode unknown to the tracer is {inst.opname}"
+    return HookUnsupported(
+        TraceRefusalKind.UNSUPPORTED_PYTHON,
+        where,
+        f"the hook tracer does not know CPython {PY_VERSION}'s bytecode (it knows {known}); "
+        f"{opcode}",
+        f"the hook runs eagerly; trace it on CPython {known}",
+    )
+
+
+def _first_unhandled(code: types.CodeType) -> tuple[dis.Instruction, types.CodeType] | None:
+    """The first instruction without a handler in ``code`` or the code it nests."""
+    for inst in dis.get_instructions(code):
+        if inst.opname not in HANDLERS:
+            return inst, code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType) and (found := _first_unhandled(const)) is not None:
+            return found
+    return None
+
+
+def _where(code: types.CodeType, line: int) -> str:
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{line}"
 
 
 def _fake_mode_for(example_args: Sequence[Any]) -> Any:

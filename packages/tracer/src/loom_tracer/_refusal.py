@@ -16,6 +16,7 @@ from loom_sidefx import Refusal
 class TraceRefusalKind(enum.Enum):
     """Why a hook was not traced (every member is documented in docs/tracer.md)."""
 
+    UNSUPPORTED_PYTHON = "unsupported_python"
     UNSUPPORTED_OPCODE = "unsupported_opcode"
     UNSUPPORTED_CALL = "unsupported_call"
     UNSUPPORTED_VALUE = "unsupported_value"
