@@ -210,3 +210,69 @@ def test_a_returned_dtensor_norm_held_across_replays_keeps_its_value(fake_group:
         [v for p in want for v in p], rel=1e-6
     )
     assert len({norm for _, norm in got}) == len(inputs)  # each step's own norm
+
+
+# --- DDP: the reducer rebuilt so that its grad accumulators record a new stream ------------
+
+
+@pytest.fixture
+def gloo_group(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo group (DDP runs its reducer and communication hooks on it)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _accumulator(p: torch.Tensor) -> Any:
+    return p.view_as(p).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("hook", ["python", "builtin", "none"])
+def test_a_rebuilt_ddp_reducer_makes_new_accumulators_and_keeps_hooks_and_settings(
+    gloo_group: None, hook: str
+) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def model() -> DDP:
+        torch.manual_seed(0)
+        return DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+
+    calls: list[int] = []
+
+    def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+        calls.append(1)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    ddp, ref = model(), model()
+    for m in (ddp, ref):
+        if hook == "python":
+            m.register_comm_hook(None, counting_hook)
+        elif hook == "builtin":
+            m._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    ddp._set_static_graph()
+    for p in ddp.parameters():
+        _accumulator(p).metadata["built_with_ddp"] = True  # the node the reducer keeps
+    assert all("built_with_ddp" in _accumulator(p).metadata for p in ddp.parameters())
+
+    compat.rebuild_ddp_reducer(ddp)
+
+    assert not any("built_with_ddp" in _accumulator(p).metadata for p in ddp.parameters())
+    assert ddp.static_graph and ddp._get_ddp_logging_data().get("static_graph") == 1
+    if hook != "none":
+        want = "counting_hook" if hook == "python" else "ALLREDUCE"
+        assert want in str(ddp._get_ddp_logging_data().get("comm_hook"))
+    x = torch.randn(5, 4)
+    for m in (ddp, ref):
+        for _ in range(2):
+            m(x).pow(2).sum().backward()
+    for p, q in zip(ddp.parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+    assert len(calls) == (4 if hook == "python" else 0)  # 2 models x 2 backwards, 1 bucket

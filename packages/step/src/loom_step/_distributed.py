@@ -10,6 +10,14 @@ step whose targets include a DDP module is warmed up for :data:`DDP_WARMUP` call
 at least, and its DDP modules' runtime-logging sample rate is set so high that no
 later iteration (a re-recording's capture included) reads the timers again.
 
+DDP's reducer keeps each parameter's ``AccumulateGrad`` node from DDP's construction
+on, and a node records the stream current when it was made. Built as the tutorial
+builds it, on the default stream, every backward under a capture then accumulates on
+the legacy default stream, which cannot join a capture (the capture fails). On CUDA,
+a step's first call rebuilds each DDP's reducer on a side stream of its own
+(:func:`rehome_ddp_accumulators`), so that the nodes join the capture as any side
+stream does (as if DDP had been built under ``torch.cuda.stream(side)``).
+
 **FSDP2.** ``fully_shard`` runs its all-gathers and reduce-scatters eagerly, on
 side streams it makes at its lazy init (the root's first forward): copy-in and
 all-gather streams that wait on the current stream at the root's pre-forward,
@@ -66,6 +74,7 @@ __all__ = [
     "join_capturing",
     "quiet_ddp_timers",
     "rank_agreement",
+    "rehome_ddp_accumulators",
 ]
 
 log = logging.getLogger("torchloom.capture_step")
@@ -182,6 +191,30 @@ FSDP2_CAPTURE_HINT = (
     "init_process_group (NCCL's watchdog thread queries events while the capture runs); "
     "capture_step itself warms FSDP2 up for 2 calls and joins its streams into the capture"
 )
+
+
+def rehome_ddp_accumulators(ddps: Sequence[tuple[str, torch.nn.Module]]) -> list[Any]:
+    """Rebuild the reducer of each DDP on CUDA on a new side stream, so that the
+    ``AccumulateGrad`` nodes it keeps record that stream instead of the one DDP was
+    built on (the default stream cannot join a capture); the streams made. Before the
+    first warm-up, on every rank (no collective)."""
+    streams: list[Any] = []
+    for name, ddp in ddps:
+        device = next((p.device for p in ddp.parameters()), None)
+        if device is None or device.type != "cuda":
+            continue
+        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            compat.rebuild_ddp_reducer(ddp)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        streams.append(stream)
+        log.debug(
+            "capture_step: %s (DDP): reducer rebuilt on a side stream (its AccumulateGrad "
+            "nodes had the stream DDP was built on)",
+            name,
+        )
+    return streams
 
 
 def quiet_ddp_timers(ddps: Sequence[tuple[str, torch.nn.Module]]) -> None:

@@ -45,6 +45,7 @@ from loom_step._distributed import (
     join_capturing,
     quiet_ddp_timers,
     rank_agreement,
+    rehome_ddp_accumulators,
 )
 from loom_step._fast import FastCheck
 from loom_step._guard import GuardMismatch, StepGuard, StepProbe
@@ -151,6 +152,8 @@ class CapturedStep(Generic[P, R]):
         self._min_warmup = self.options.warmup
         #: the step's FSDP2 modules (``fully_shard``), with their names
         self._fsdps: list[tuple[str, torch.nn.Module]] = []
+        #: the side streams DDP reducers were rebuilt on (their AccumulateGrad nodes record them)
+        self._ddp_streams: list[Any] = []
         #: the ranks agreeing on each call, when the step involves a process group
         self._agreement: RankAgreement | None = None
         #: a refusal the first call found before running anything (no CUDA, optimizers)
@@ -253,6 +256,7 @@ class CapturedStep(Generic[P, R]):
         self._static = self._static_refusal(leaves)
         ddps = ddp_modules(self._targets)
         if ddps:
+            self._ddp_streams = rehome_ddp_accumulators(ddps)
             quiet_ddp_timers(ddps)
             self._min_warmup = max(self.options.warmup, DDP_WARMUP)
             log.debug(
@@ -714,11 +718,10 @@ _DDP_FILE = "torch/nn/parallel/distributed.py:"
 #: What a DDP step's capture needs that capture_step cannot set itself.
 DDP_CAPTURE_HINT = (
     "for DDP, PyTorch's whole-network capture recipe also needs "
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING=0 in the environment before init_process_group, "
-    "and the DDP module constructed on a side stream "
-    "(with torch.cuda.stream(torch.cuda.Stream()): model = DDP(model, ...)); "
-    "capture_step itself warms DDP up for 11 iterations and sets its runtime-logging "
-    "sample rate"
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING=0 in the environment before init_process_group; "
+    "capture_step itself rebuilds DDP's reducer on a side stream (its grad accumulators "
+    "keep the stream DDP was built on), warms DDP up for 11 iterations and sets its "
+    "runtime-logging sample rate"
 )
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "local_tensor",
     "memory_tensors",
     "reach",
+    "rebuild_ddp_reducer",
     "set_ddp_runtime_logging_sample_rate",
     "storage_counter",
     "storage_use_count",
@@ -193,6 +194,41 @@ def set_ddp_runtime_logging_sample_rate(ddp: torch.nn.Module, rate: int) -> None
     setter = getattr(ddp, "_set_ddp_runtime_logging_sample_rate", None)
     if setter is not None and getattr(ddp, "reducer", None) is not None:
         setter(rate)
+
+
+def rebuild_ddp_reducer(ddp: torch.nn.Module) -> None:
+    """Build ``ddp``'s reducer anew on the current stream, as DDP's own ``__setstate__``
+    does: the old reducer is dropped first, and with it the ``AccumulateGrad`` node of
+    every parameter it kept (nothing else holds them between steps), so the new reducer
+    makes them anew and each records the current stream. The communication hooks (Python
+    ones, mixed precision's included, and a built-in one, which DDP records by name only),
+    the mixed-precision dtype and the static-graph setting carry over to the new reducer."""
+    import torch.distributed as dist
+
+    d: Any = ddp
+    hooks = list(d._comm_hooks)
+    data = d._get_ddp_logging_data()
+    name = data.get("comm_hook") if isinstance(data, dict) else None
+    builtin = None
+    if name and name not in {hook.__qualname__ for hook, _ in hooks}:
+        kinds = dist.BuiltinCommHookType  # type: ignore[attr-defined]
+        builtin = getattr(kinds, str(name).rsplit(".", 1)[-1])
+    d.reducer = None
+    d.logger = None  # holds the reducer
+    params, sparse = d._build_params_for_reducer()
+    names = d._build_debug_param_to_name_mapping(params)
+    d._ddp_init_helper(params, sparse, names, d.static_graph)
+    for hook, state in hooks:
+        d.logger._set_comm_hook_name(hook.__qualname__)
+        dist._register_comm_hook(d.reducer, state, hook)  # type: ignore[attr-defined]
+    if builtin is not None:
+        d.logger._set_comm_hook_name(str(builtin))
+        dist._register_builtin_comm_hook(d.reducer, builtin)  # type: ignore[attr-defined]
+    if d.mixed_precision is not None:
+        d.reducer._set_mixed_precision_param_dtype(d.mixed_precision.param_dtype)
+    if d.static_graph:
+        d.reducer._set_static_graph()
+        d.logger._set_static_graph()
 
 
 def is_fsdp2_module(module: torch.nn.Module) -> bool:
