@@ -276,3 +276,21 @@ def test_a_rebuilt_ddp_reducer_makes_new_accumulators_and_keeps_hooks_and_settin
     for p, q in zip(ddp.parameters(), ref.parameters(), strict=True):
         assert p.grad is not None and torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
     assert len(calls) == (4 if hook == "python" else 0)  # 2 models x 2 backwards, 1 bucket
+
+
+def test_sgd_with_a_tensor_lr_is_refused_with_what_to_change() -> None:
+    """torch's SGD reads a tensor lr on the host (``alpha=-lr``): the refusal names
+    SGD's frame and tells the user to use a float lr or a capturable optimizer."""
+    import torch.optim.sgd as sgd_module
+
+    def users_step() -> list[traceback.FrameSummary]:
+        return traceback.extract_stack()
+
+    stack = users_step()
+    source = Path(sgd_module.__file__).read_text().splitlines()
+    lineno = next(i + 1 for i, line in enumerate(source) if "alpha=-lr)" in line)
+    stack.append(traceback.FrameSummary(sgd_module.__file__, lineno, "_multi_tensor_sgd"))
+    reason = sync_refusal(stack)
+    assert reason is not None and reason.kind is StepRefusalKind.SYNC_OP
+    assert reason.origin.startswith("torch/optim/sgd.py:")
+    assert "float lr with SGD" in reason.hint and "capturable=True" in reason.hint

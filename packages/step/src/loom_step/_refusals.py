@@ -356,6 +356,13 @@ _LIBRARY_SYNC_HINTS = {
         "itself; a DDP it did not find (pass track=[ddp_model]) or one called outside "
         "the step keeps syncing"
     ),
+    **dict.fromkeys(
+        (("torch/optim/sgd.py", "_multi_tensor_sgd"), ("torch/optim/sgd.py", "_single_tensor_sgd")),
+        "torch's SGD reads a tensor lr on the host at every step (alpha=-lr): use a float "
+        "lr with SGD (a replay reads it as recorded; keep it constant, or change it between "
+        "recordings), or an optimizer with capturable=True, such as AdamW or Adam, whose "
+        "tensor lr a replay reads on the device",
+    ),
 }
 
 
