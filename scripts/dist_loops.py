@@ -129,9 +129,7 @@ class Loop:
         if name == "sgd-tensor-lr":
             self.opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=self.lr, momentum=0.9)
         else:
-            self.opt = torch.optim.AdamW(
-                params, lr=self.lr, weight_decay=0.1, capturable=not self.float_lr
-            )
+            self.opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.1, capturable=True)
         self.step = self._make_step()
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -195,6 +193,10 @@ def _compare(name: str, args: argparse.Namespace, device: torch.device) -> dict[
     """Three copies in lockstep: captured, eager and eager again (the noise)."""
     import torchloom
 
+    if args.no_rehome:  # the baseline: DDP's accumulators keep the stream DDP was built on
+        import loom_step._step
+
+        loom_step._step.rehome_ddp_accumulators = lambda ddps, run: None  # type: ignore[assignment]
     captured, eager, eager2 = (Loop(name, args, device) for _ in range(3))
     step = torchloom.capture_step(captured.step)
     batches = _batches(args, device, args.steps)
@@ -262,17 +264,24 @@ def _timed(name: str, args: argparse.Namespace, device: torch.device, capture: b
     fn = torchloom.capture_step(loop.step) if capture else loop.step
     batches = _batches(args, device, args.time_steps + args.warm_steps)
     times = []
+    #: per call: (memory allocated before it, its peak), MiB above ``base``
+    trace = []
+    mib = 2**20
     for i, (ids0, ids1) in enumerate(batches):
         loop.set_lr(_schedule(i, len(batches)))
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         fn(ids0, ids1)
         torch.cuda.synchronize()
         if i >= args.warm_steps:
             times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated() - base
+        call_peak = torch.cuda.max_memory_allocated()
+        trace.append((round((before - base) / mib, 1), round((call_peak - base) / mib, 1)))
+    peak = max(p for _, p in trace) * mib
     reserved = torch.cuda.max_memory_reserved()
     del loop, fn
-    return statistics.median(times), peak, reserved
+    return statistics.median(times), peak, reserved, trace
 
 
 def run_loop(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -286,11 +295,12 @@ def run_loop(name: str, args: argparse.Namespace, device: torch.device) -> dict[
         ok = cmp["recordings"] == 0 and "capturable=True" in refusal and "float lr" in refusal
         out["verdict"] = "REFUSED" if ok else "FAIL"
         return out
-    if name == "float-lr":
+    if name == "float-lr" or args.compare_only:
         out["verdict"] = "PASS" if cmp["first_step_over_bound"] is None else "FAIL"
         return out
-    eager_ms, eager_peak, eager_res = _timed(name, args, device, capture=False)
-    cap_ms, cap_peak, cap_res = _timed(name, args, device, capture=True)
+    eager_ms, eager_peak, eager_res, eager_trace = _timed(name, args, device, capture=False)
+    cap_ms, cap_peak, cap_res, cap_trace = _timed(name, args, device, capture=True)
+    out["memory_trace_mib"] = {"eager": eager_trace[:14], "captured": cap_trace[:14]}
     out.update(
         eager_ms=round(eager_ms, 3),
         captured_ms=round(cap_ms, 3),
@@ -325,6 +335,12 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--no-rehome",
+        action="store_true",
+        help="leave DDP's reducer as built (the baseline the rebuild on the capture stream fixes)",
+    )
+    parser.add_argument("--compare-only", action="store_true", help="skip the timed runs")
     args = parser.parse_args()
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()

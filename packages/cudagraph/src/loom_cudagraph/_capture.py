@@ -120,7 +120,7 @@ class CudaCapturer:
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = torch.device("cuda") if device is None else device
-        #: the side stream of whole-step warm-ups (made on first use)
+        #: the side stream of whole-step warm-ups and captures (made on first use)
         self._warm_stream: torch.cuda.Stream | None = None
 
     def available(self) -> bool:
@@ -153,11 +153,16 @@ class CudaCapturer:
                 clear_cublas_workspaces()
         return graph, outputs
 
-    def warm_up(self, fn: Callable[[], T]) -> T:
-        """``fn()`` on a side stream under CUDA's sync debug mode set to warn."""
+    def _step_stream(self) -> torch.cuda.Stream:
+        """The side stream of whole-step warm-ups and captures (made on first use)."""
         if self._warm_stream is None:
-            self._warm_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side = self._warm_stream
+            with torch.cuda.device(self.device):
+                self._warm_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        return self._warm_stream
+
+    def warm_up(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the whole-step side stream under CUDA's sync debug mode set to warn."""
+        side = self._step_stream()
         side.wait_stream(torch.cuda.current_stream())
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")
@@ -172,8 +177,11 @@ class CudaCapturer:
     def capture_call(
         self, fn: CallFn, pool: Any, keep: Sequence[torch.Tensor] = ()
     ) -> tuple[Any, list[Any]]:
+        # NOTE: on the warm-ups' stream: what a warm-up left bound to its stream (the
+        # AccumulateGrad nodes DDP keeps, made on it: see loom_step) runs on the capture
+        # stream itself, with no cross-stream use whose frees a capture must defer.
         graph = torch.cuda.CUDAGraph()
-        with _restoring_stream(), torch.cuda.graph(graph, pool=pool):
+        with _restoring_stream(), torch.cuda.graph(graph, pool=pool, stream=self._step_stream()):
             out = list(fn())
         return graph, out
 

@@ -14,9 +14,10 @@ DDP's reducer keeps each parameter's ``AccumulateGrad`` node from DDP's construc
 on, and a node records the stream current when it was made. Built as the tutorial
 builds it, on the default stream, every backward under a capture then accumulates on
 the legacy default stream, which cannot join a capture (the capture fails). On CUDA,
-a step's first call rebuilds each DDP's reducer on a side stream of its own
-(:func:`rehome_ddp_accumulators`), so that the nodes join the capture as any side
-stream does (as if DDP had been built under ``torch.cuda.stream(side)``).
+a step's first call rebuilds each DDP's reducer on the stream its warm-ups and
+captures run on (:func:`rehome_ddp_accumulators`), as if DDP had been built under
+``torch.cuda.stream(that_stream)``: the nodes then accumulate on the capture stream
+itself.
 
 **FSDP2.** ``fully_shard`` runs its all-gathers and reduce-scatters eagerly, on
 side streams it makes at its lazy init (the root's first forward): copy-in and
@@ -51,8 +52,9 @@ device synchronization.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -193,28 +195,24 @@ FSDP2_CAPTURE_HINT = (
 )
 
 
-def rehome_ddp_accumulators(ddps: Sequence[tuple[str, torch.nn.Module]]) -> list[Any]:
-    """Rebuild the reducer of each DDP on CUDA on a new side stream, so that the
-    ``AccumulateGrad`` nodes it keeps record that stream instead of the one DDP was
-    built on (the default stream cannot join a capture); the streams made. Before the
-    first warm-up, on every rank (no collective)."""
-    streams: list[Any] = []
+def rehome_ddp_accumulators(
+    ddps: Sequence[tuple[str, torch.nn.Module]], on_step_stream: Callable[[Callable[[], None]], Any]
+) -> None:
+    """Rebuild the reducer of each DDP on CUDA through ``on_step_stream`` (the capturer's
+    ``warm_up``: the stream its warm-ups and captures run on), so that the
+    ``AccumulateGrad`` nodes it keeps record that stream instead of the one DDP was built
+    on (the default stream cannot join a capture). Before the first warm-up, on every
+    rank (no collective)."""
     for name, ddp in ddps:
         device = next((p.device for p in ddp.parameters()), None)
         if device is None or device.type != "cuda":
             continue
-        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            compat.rebuild_ddp_reducer(ddp)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        streams.append(stream)
+        on_step_stream(functools.partial(compat.rebuild_ddp_reducer, ddp))
         log.debug(
-            "capture_step: %s (DDP): reducer rebuilt on a side stream (its AccumulateGrad "
-            "nodes had the stream DDP was built on)",
+            "capture_step: %s (DDP): reducer rebuilt on the capture stream (its "
+            "AccumulateGrad nodes had the stream DDP was built on)",
             name,
         )
-    return streams
 
 
 def quiet_ddp_timers(ddps: Sequence[tuple[str, torch.nn.Module]]) -> None:

@@ -152,8 +152,6 @@ class CapturedStep(Generic[P, R]):
         self._min_warmup = self.options.warmup
         #: the step's FSDP2 modules (``fully_shard``), with their names
         self._fsdps: list[tuple[str, torch.nn.Module]] = []
-        #: the side streams DDP reducers were rebuilt on (their AccumulateGrad nodes record them)
-        self._ddp_streams: list[Any] = []
         #: the ranks agreeing on each call, when the step involves a process group
         self._agreement: RankAgreement | None = None
         #: a refusal the first call found before running anything (no CUDA, optimizers)
@@ -256,7 +254,7 @@ class CapturedStep(Generic[P, R]):
         self._static = self._static_refusal(leaves)
         ddps = ddp_modules(self._targets)
         if ddps:
-            self._ddp_streams = rehome_ddp_accumulators(ddps)
+            rehome_ddp_accumulators(ddps, self.capturer.warm_up)
             quiet_ddp_timers(ddps)
             self._min_warmup = max(self.options.warmup, DDP_WARMUP)
             log.debug(
