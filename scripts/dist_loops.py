@@ -316,9 +316,24 @@ def _live_tensors(loop: Loop, label: str) -> None:
 
 
 def run_loop(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    import torchloom
-
     out: dict[str, Any] = {}
+    timed = name not in ("sgd-tensor-lr", "float-lr") and not args.compare_only
+    if timed:
+        # NOTE: first, on a fresh allocator: objects of the lockstep comparison, freed
+        # late, made the eager side's baseline read low (peak ratios of 1.25-1.30 that
+        # measured 0.998-1.01 alone)
+        eager_ms, eager_peak, eager_res, eager_trace = _timed(name, args, device, capture=False)
+        cap_ms, cap_peak, cap_res, cap_trace = _timed(name, args, device, capture=True)
+        out["memory_trace_mib"] = {"eager": eager_trace[:14], "captured": cap_trace[:14]}
+        out.update(
+            eager_ms=round(eager_ms, 3),
+            captured_ms=round(cap_ms, 3),
+            speedup=round(eager_ms / cap_ms, 3),
+            eager_peak_mib=round(eager_peak / 2**20, 1),
+            captured_peak_mib=round(cap_peak / 2**20, 1),
+            peak_vs_eager=round(cap_peak / eager_peak, 3),
+            reserved_mib=(round(eager_res / 2**20, 1), round(cap_res / 2**20, 1)),
+        )
     cmp = (
         {"first_step_over_bound": None, "recordings": 1, "replays": 10**6, "warmup_calls": 0}
         if args.timed_only
@@ -330,25 +345,12 @@ def run_loop(name: str, args: argparse.Namespace, device: torch.device) -> dict[
         ok = cmp["recordings"] == 0 and "capturable=True" in refusal and "float lr" in refusal
         out["verdict"] = "REFUSED" if ok else "FAIL"
         return out
-    if name == "float-lr" or args.compare_only:
-        out["verdict"] = "PASS" if cmp["first_step_over_bound"] is None else "FAIL"
-        return out
-    eager_ms, eager_peak, eager_res, eager_trace = _timed(name, args, device, capture=False)
-    cap_ms, cap_peak, cap_res, cap_trace = _timed(name, args, device, capture=True)
-    out["memory_trace_mib"] = {"eager": eager_trace[:14], "captured": cap_trace[:14]}
-    out.update(
-        eager_ms=round(eager_ms, 3),
-        captured_ms=round(cap_ms, 3),
-        speedup=round(eager_ms / cap_ms, 3),
-        eager_peak_mib=round(eager_peak / 2**20, 1),
-        captured_peak_mib=round(cap_peak / 2**20, 1),
-        peak_vs_eager=round(cap_peak / eager_peak, 3),
-        reserved_mib=(round(eager_res / 2**20, 1), round(cap_res / 2**20, 1)),
-    )
-    captured = cmp["recordings"] >= 1 and cmp["replays"] >= args.steps - cmp["warmup_calls"] - 1
     equal = cmp["first_step_over_bound"] is None
+    if name == "float-lr":
+        out["verdict"] = "PASS" if equal else "FAIL"
+        return out
+    captured = cmp["recordings"] >= 1 and cmp["replays"] >= args.steps - cmp["warmup_calls"] - 1
     out["verdict"] = "PASS" if captured and equal else "FAIL"
-    del torchloom
     return out
 
 
