@@ -315,6 +315,28 @@ def _live_tensors(loop: Loop, label: str) -> None:
         print(f"LIVE {label}:   {size / 2**20:7.1f} MiB {shape} {dtype} <- {refs}", flush=True)
 
 
+def _trace_raises() -> None:
+    """Print each exception raised anywhere (caught or not) whose message names a
+    capture, with where it was raised: the first error inside a capture is often
+    caught by a library, and the capture fails later with a generic message."""
+    mon = sys.monitoring
+    tool = mon.PROFILER_ID
+    seen: set[str] = set()
+
+    def on_raise(code: Any, offset: int, exc: BaseException) -> None:
+        text = str(exc)
+        if "captur" not in text:
+            return
+        key = f"{code.co_filename}:{code.co_name}: {type(exc).__name__}: {text.splitlines()[0]}"
+        if key not in seen:
+            seen.add(key)
+            print(f"RAISED rank {dist.get_rank()}: {key}", flush=True)
+
+    mon.use_tool_id(tool, "dist_loops")
+    mon.register_callback(tool, mon.events.RAISE, on_raise)
+    mon.set_events(tool, mon.events.RAISE)
+
+
 def run_loop(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     out: dict[str, Any] = {}
     timed = name not in ("sgd-tensor-lr", "float-lr") and not args.compare_only
@@ -378,6 +400,9 @@ def main() -> int:
         help="leave DDP's reducer as built (the baseline the rebuild on the capture stream fixes)",
     )
     parser.add_argument("--compare-only", action="store_true", help="skip the timed runs")
+    parser.add_argument(
+        "--trace-raises", action="store_true", help="print every exception naming a capture"
+    )
     parser.add_argument("--timed-only", action="store_true", help="skip the lockstep comparison")
     parser.add_argument(
         "--diagnose-memory", action="store_true", help="list live CUDA tensors after call 2"
@@ -389,6 +414,8 @@ def main() -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     import torchloom
 
+    if args.trace_raises:
+        _trace_raises()
     loops = LOOPS if "all" in args.loop else tuple(dict.fromkeys(args.loop))
     results = {}
     for name in loops:
