@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import traceback
 import warnings
@@ -28,6 +29,7 @@ from loom_step._recording import Recording, protect_outputs
 from loom_step._refusals import (
     SYNC_WARNING,
     StepRefusalKind,
+    StepUnsupported,
     collect_syncs,
     optimizer_refusals,
     scaler_refusals,
@@ -122,6 +124,30 @@ def test_no_cuda_reason_is_told_once_and_never_raises_under_or_error() -> None:
     assert reason is not None and reason.kind is StepRefusalKind.NO_CUDA and not reason.cuda_work
     assert f"{HERE}:" in reason.where and "train_step" in events[0].message
     assert step.stats().state is StepState.UNCAPTURED
+
+
+def test_a_step_refused_from_outside_runs_uncaptured_with_that_reason() -> None:
+    """``refuse`` (a trainer's setting a replay would not honour) is a refusal like the
+    step's own: told once, in the stats, raised under ``or_error``; the first reason stays."""
+    model = _mlp()
+    events: list[loom_step.StepEvent] = []
+    capturer = loom_cudagraph.HostCapturer()
+    inner = _make_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = loom_step.capture_step(inner, capturer=capturer, listener=events.append)
+    reason = StepUnsupported(
+        StepRefusalKind.PYTHON_STATE, "trainer.py:7 in fit", "a hook runs in the step", "move it"
+    )
+    step.refuse(reason)
+    step.refuse(dataclasses.replace(reason, explanation="another"))
+    for x, y in _batches(5):
+        step(x, y)
+    stats = step.stats()
+    assert stats.state is StepState.UNCAPTURED and stats.refusal is reason
+    assert (stats.uncaptured_calls, stats.recordings, capturer.captures) == (5, 0, 0)
+    assert [e.refusal for e in events] == [reason]
+    strict = loom_step.capture_step(inner, options=StepOptions(or_error=True), capturer=capturer)
+    with pytest.raises(loom_step.CaptureStepError, match="a hook runs in the step"):
+        strict.refuse(reason)
 
 
 def test_options_are_checked() -> None:

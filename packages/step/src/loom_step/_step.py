@@ -649,6 +649,14 @@ class CapturedStep(Generic[P, R]):
 
     # --- refusals and the report ---------------------------------------------------------------
 
+    def refuse(self, reason: StepUnsupported) -> None:
+        """Run the step uncaptured from now on, for a reason found outside it (a trainer's
+        setting that a replay would not honour), reported as every refusal is: logged,
+        told to the listener, in :meth:`stats`, raised under ``or_error``. A step that is
+        already uncaptured keeps its first reason."""
+        if self._refusal is None:
+            self._refuse(reason)
+
     def _refuse(self, reason: StepUnsupported) -> None:
         """From now on the step runs uncaptured (raises under ``or_error``)."""
         self._refusal = reason

@@ -13,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import loom_step
 from torchloom._options import LoomOptions, LoomOptionsError, resolve_options
 from torchloom._report import GraphRecordBuilder, new_record
+
+if TYPE_CHECKING:
+    import loom_cudagraph
 
 __all__ = ["STEP_OPTIONS", "capture_step", "resolve_step_options"]
 
@@ -94,14 +97,21 @@ class _ReportListener:
 
 
 def capture_step(
-    fn: Callable[P, R], /, *, track: Iterable[Any] = (), **options: Any
+    fn: Callable[P, R],
+    /,
+    *,
+    track: Iterable[Any] = (),
+    capturer: loom_cudagraph.Capturer | None = None,
+    **options: Any,
 ) -> loom_step.CapturedStep[P, R]:
     """Capture a whole training step as one CUDA graph and replay it per call.
 
     ``fn`` does forward, loss, ``backward()``, ``optimizer.step()`` and
     ``zero_grad()``; its model may be compiled with ``backend="loom"`` or not.
     The modules, optimizers and tensors it uses are found from its closure and
-    globals (``track=`` adds more). ``options``: ``capture_step_warmup``,
+    globals (``track=`` adds more). ``capturer`` is CUDA's by default
+    (``loom_cudagraph.HostCapturer()`` runs the same path on the host, for tests).
+    ``options``: ``capture_step_warmup``,
     ``capture_step_max_recordings`` and loom's ``cudagraph_or_error``, over
     ``TORCHLOOM_*`` environment variables. See ``loom_step.capture_step``.
 
@@ -125,5 +135,9 @@ def capture_step(
     }
     name = getattr(fn, "__qualname__", repr(fn))
     return loom_step.capture_step(
-        fn, track=track, options=step_options, listener=_ReportListener(name, shown)
+        fn,
+        track=track,
+        options=step_options,
+        capturer=capturer,
+        listener=_ReportListener(name, shown),
     )
