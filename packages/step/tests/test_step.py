@@ -984,3 +984,29 @@ def test_host_dropped_step_or_refused_recording_frees_its_graph_and_buffers() ->
         reason = refused.stats().refusal
         assert reason is not None and reason.kind is StepRefusalKind.HOST_OUTPUT
         assert device.graphs[1]() is None
+
+
+def test_warm_ups_after_the_first_take_the_branch_a_capture_takes() -> None:
+    """Code that branches on ``torch.cuda.is_current_stream_capturing()`` (transformers'
+    attention masks) takes the capture's branch in every warm-up after the first, so
+    what that branch compiles is compiled before the capture; the function is put back."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    branches: list[bool] = []
+    inner = _make_step(model, opt)
+    original = torch.cuda.is_current_stream_capturing
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # NOTE: the real function needs a CUDA driver; here it answers only where replaced
+        answer = torch.cuda.is_current_stream_capturing
+        branches.append(answer is not original and answer())
+        return inner(x, y)
+
+    step = loom_step.capture_step(
+        train_step, capturer=loom_cudagraph.HostCapturer(), options=StepOptions(warmup=3)
+    )
+    for x, y in _batches(3):
+        step(x, y)
+    assert step.stats().warmup_calls == 3
+    assert branches == [False, True, True]
+    assert torch.cuda.is_current_stream_capturing is original

@@ -20,6 +20,7 @@ stable addresses), and returned tensors stay intact while the caller holds them
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -520,7 +521,15 @@ class CapturedStep(Generic[P, R]):
         """
         self.counts.warmup_calls += 1
         syncs: list[StepUnsupported] = []
-        with collect_syncs(syncs), loom_cudagraph.suspended():
+        # NOTE: every warm-up after the first (lazy initializations run there as
+        # eagerly as ever) is told that a capture is running: code that branches on it
+        # takes, and compiles, the capture's branch before the capture
+        rehearse = (
+            compat.rehearsing_capture()
+            if self.counts.warmup_calls > 1
+            else contextlib.nullcontext()
+        )
+        with collect_syncs(syncs), loom_cudagraph.suspended(), rehearse:
             out = self.capturer.warm_up(lambda: self.fn(*args, **kwargs))
         after = probe.read(leaves, tree, named=True)
         changed = before.mismatch(after, ignore_grads=True)

@@ -11,9 +11,10 @@ diff of this file.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ __all__ = [
     "memory_tensors",
     "reach",
     "rebuild_ddp_reducer",
+    "rehearsing_capture",
     "set_ddp_runtime_logging_sample_rate",
     "storage_counter",
     "storage_use_count",
@@ -43,6 +45,26 @@ __all__ = [
     "tree_flatten",
     "tree_unflatten",
 ]
+
+
+@contextlib.contextmanager
+def rehearsing_capture() -> Iterator[None]:
+    """``torch.cuda.is_current_stream_capturing()`` answers ``True`` inside, for Python
+    code that looks it up at call time. Libraries branch on it (transformers
+    materializes the attention mask instead of skipping it after a host check; torch's
+    optimizers and SyncBatchNorm skip checks), so a warm-up under it runs the code a
+    capture will run, and whatever that code compiles (a Dynamo recompile for the new
+    branch) is compiled there, not inside the capture, where compiling fails."""
+    saved = torch.cuda.is_current_stream_capturing
+
+    def capturing() -> bool:
+        return True
+
+    torch.cuda.is_current_stream_capturing = capturing
+    try:
+        yield
+    finally:
+        torch.cuda.is_current_stream_capturing = saved
 
 
 def tree_flatten(value: Any) -> tuple[list[Any], Any]:
