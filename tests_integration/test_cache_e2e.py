@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from local_redis import RedisServer
 
 _CHILD = r"""
 import json, sys, torch, torchloom
@@ -172,34 +170,10 @@ def test_second_process_hits_with_cuda_graphs_and_replays_the_captured_segments(
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def redis_url() -> Iterator[str]:
-    server = shutil.which("redis-server") or "/usr/bin/redis-server"
-    if not Path(server).exists():
-        pytest.fail("redis-server is not installed (the CI script installs it)")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with RedisServer() as server:
+        yield server.url
 
 
 def test_a_second_machine_hits_through_redis(tmp_path: Path, redis_url: str) -> None:

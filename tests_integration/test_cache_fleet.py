@@ -9,17 +9,16 @@ import json
 import os
 import pathlib
 import pickle
-import shutil
 import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from local_redis import RedisServer
 
 from loom_cache import MAGIC, CacheKey, Entry, encode_entry
 
@@ -80,27 +79,8 @@ def _key_of(data: bytes) -> CacheKey:
 
 @pytest.fixture
 def redis_url() -> Iterator[str]:
-    server = shutil.which("redis-server") or "/usr/bin/redis-server"
-    if not Path(server).exists():
-        pytest.fail("redis-server is not installed (the CI script installs it)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(200):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with RedisServer() as server:
+        yield server.url
 
 
 def test_forged_entries_in_redis_and_on_disk_never_run_in_a_compile(

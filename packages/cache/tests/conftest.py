@@ -1,18 +1,12 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
+from local_redis import RedisServer
 
 PythonRunner = Callable[..., str]
 
@@ -38,78 +32,18 @@ def _run_python(code: str, *, hashseed: str, env: dict[str, str] | None = None) 
     return out.stdout.strip().splitlines()[-1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisServer:
-    def __init__(self, password: str | None = None) -> None:
-        self.port = _free_port()
-        self.password = password
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        auth = ["--requirepass", self.password] if self.password else []
-        self.proc = subprocess.Popen(
-            [
-                REDIS_SERVER,
-                *auth,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-
-def _serve_redis(password: str | None) -> Iterator[RedisServer]:
-    if not Path(REDIS_SERVER).exists():
-        pytest.fail(
-            f"redis-server not found at {REDIS_SERVER} (install it: apt-get install redis-server)"
-        )
-    server = RedisServer(password)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
-    yield from _serve_redis(None)
+    """A real Redis server on loopback (scripts/local_redis.py finds its binary)."""
+    with RedisServer() as server:
+        yield server
 
 
 @pytest.fixture
 def redis_with_password() -> Iterator[RedisServer]:
-    """A redis-server that requires a password (in its URL: ``redis://:pw@host``)."""
-    yield from _serve_redis("pw-s3cr3t-0f-the-fleet")
+    """A Redis server that requires a password (in its URL: ``redis://:pw@host``)."""
+    with RedisServer("pw-s3cr3t-0f-the-fleet") as server:
+        yield server
 
 
 @pytest.fixture
