@@ -26,6 +26,7 @@ from ._values import (
     ConstV,
     DictV,
     FunctionV,
+    GradEnterV,
     GradExitV,
     GradModeV,
     IteratorV,
@@ -88,6 +89,9 @@ def call_value(
         return call_method(ctx, fn, args, kwargs, depth)
     if isinstance(fn, GradExitV):
         ctx.grad_enabled = fn.previous
+        return ConstV(None)
+    if isinstance(fn, GradEnterV):
+        ctx.grad_enabled = fn.enabled
         return ConstV(None)
     if isinstance(fn, ConstV):
         return call_const(ctx, fn.value, args, kwargs, depth)

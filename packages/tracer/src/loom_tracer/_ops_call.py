@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import dis
 import types
 
@@ -9,16 +10,23 @@ from loom_cells import Cell
 
 from ._calls import call_value
 from ._frame import Frame, handles
+from ._pyversion import (
+    CALL_FUNCTION_EX_ALWAYS_HAS_KWARGS,
+    CALL_KW_REPLACES_KW_NAMES,
+    FUNCTION_ATTRIBUTES_SET_APART,
+    NULL_FOLLOWS_CALLABLE,
+)
 from ._refusal import TraceRefusalKind, refuse
 from ._values import NULL, CellRefV, ConstV, DictV, FunctionV, SuperV, TupleV, Value
 
-_MAKE_FUNCTION_DEFAULTS = 0x01
-_MAKE_FUNCTION_KWDEFAULTS = 0x02
-_MAKE_FUNCTION_ANNOTATIONS = 0x04
-_MAKE_FUNCTION_CLOSURE = 0x08
+# MAKE_FUNCTION's flag bits (3.11, 3.12); SET_FUNCTION_ATTRIBUTE's oparg (3.13).
+_DEFAULTS = 0x01
+_KWDEFAULTS = 0x02
+_ANNOTATIONS = 0x04
+_CLOSURE = 0x08
 
 
-@handles("KW_NAMES")
+@handles("KW_NAMES", when=not CALL_KW_REPLACES_KW_NAMES)
 def _kw_names(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
     frame.kw_names = tuple(frame.code.co_consts[inst.arg])
@@ -26,15 +34,30 @@ def _kw_names(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("CALL")
 def _call(frame: Frame, inst: dis.Instruction) -> None:
+    kw_names, frame.kw_names = frame.kw_names, ()
+    _call_with(frame, inst, kw_names)
+
+
+@handles("CALL_KW", when=CALL_KW_REPLACES_KW_NAMES)
+def _call_kw(frame: Frame, inst: dis.Instruction) -> None:
+    names = frame.pop()
+    assert isinstance(names, ConstV) and isinstance(names.value, tuple)
+    _call_with(frame, inst, names.value)
+
+
+def _call_with(frame: Frame, inst: dis.Instruction, kw_names: tuple[str, ...]) -> None:
+    """CALL's stack: the callable and a NULL or ``self`` (in the order of this Python),
+    then the arguments, the last ``len(kw_names)`` of them by keyword."""
     assert inst.arg is not None
     args = frame.popn(inst.arg)
     b = frame.pop()
     a = frame.pop()
-    if a is NULL:
-        fn = b
-    else:
-        fn, args = a, [b, *args]
-    kw_names, frame.kw_names = frame.kw_names, ()
+    if NULL_FOLLOWS_CALLABLE:  # callable, then NULL or self
+        fn, self_or_null = a, b
+    else:  # NULL and the callable, or the method and self
+        fn, self_or_null = (b, NULL) if a is NULL else (a, b)
+    if self_or_null is not NULL:
+        args = [self_or_null, *args]
     kwargs: dict[str, Value] = {}
     if kw_names:
         kwargs = dict(zip(kw_names, args[-len(kw_names) :], strict=True))
@@ -44,12 +67,19 @@ def _call(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("CALL_FUNCTION_EX")
 def _call_function_ex(frame: Frame, inst: dis.Instruction) -> None:
-    assert inst.arg is not None
-    kwargs_v = frame.pop() if inst.arg & 1 else None
+    has_kwargs = CALL_FUNCTION_EX_ALWAYS_HAS_KWARGS or bool((inst.arg or 0) & 1)
+    kwargs_v = frame.pop() if has_kwargs else None
+    if kwargs_v is NULL:
+        kwargs_v = None
     args_v = frame.pop()
-    fn = frame.pop()
-    if frame.stack and frame.stack[-1] is NULL:
-        frame.pop()
+    if NULL_FOLLOWS_CALLABLE:
+        if frame.pop() is not NULL:
+            raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, "a bound call with *args")
+        fn = frame.pop()
+    else:
+        fn = frame.pop()
+        if frame.stack and frame.stack[-1] is NULL:
+            frame.pop()
     args = frame.ctx.sequence_items(args_v)
     kwargs: dict[str, Value] = {}
     if kwargs_v is not None:
@@ -77,22 +107,36 @@ def _zero_arg_super(frame: Frame) -> Value:
 
 @handles("MAKE_FUNCTION")
 def _make_function(frame: Frame, inst: dis.Instruction) -> None:
-    assert inst.arg is not None
     code = frame.ctx.specialize(frame.pop())
     assert isinstance(code, types.CodeType)
-    closure: tuple[Cell, ...] = ()
-    defaults: tuple[Value, ...] = ()
-    kwdefaults: dict[str, Value] = {}
-    if inst.arg & _MAKE_FUNCTION_CLOSURE:
-        cells = frame.pop()
-        assert isinstance(cells, TupleV)
-        closure = tuple(c.cell for c in cells.items if isinstance(c, CellRefV))
-    if inst.arg & _MAKE_FUNCTION_ANNOTATIONS:
-        frame.pop()
-    if inst.arg & _MAKE_FUNCTION_KWDEFAULTS:
-        kw = frame.pop()
-        assert isinstance(kw, DictV)
-        kwdefaults = {str(k): v for k, v in frame.ctx.dict_items(kw).items()}
-    if inst.arg & _MAKE_FUNCTION_DEFAULTS:
-        defaults = tuple(frame.ctx.sequence_items(frame.pop()))
-    frame.push(FunctionV(code, frame.globals, code.co_name, closure, defaults, kwdefaults))
+    fn = FunctionV(code, frame.globals, code.co_name)
+    if not FUNCTION_ATTRIBUTES_SET_APART:
+        assert inst.arg is not None
+        # The attributes lie on the stack in the reverse order of their flag bits.
+        for flag in (_CLOSURE, _ANNOTATIONS, _KWDEFAULTS, _DEFAULTS):
+            if inst.arg & flag:
+                fn = _with_attribute(frame, fn, flag, frame.pop())
+    frame.push(fn)
+
+
+@handles("SET_FUNCTION_ATTRIBUTE", when=FUNCTION_ATTRIBUTES_SET_APART)
+def _set_function_attribute(frame: Frame, inst: dis.Instruction) -> None:
+    assert inst.arg is not None
+    fn = frame.pop()
+    assert isinstance(fn, FunctionV)
+    frame.push(_with_attribute(frame, fn, inst.arg, frame.pop()))
+
+
+def _with_attribute(frame: Frame, fn: FunctionV, flag: int, value: Value) -> FunctionV:
+    """``fn`` with the attribute MAKE_FUNCTION's (or SET_FUNCTION_ATTRIBUTE's) ``flag`` names."""
+    if flag == _CLOSURE:
+        assert isinstance(value, TupleV)
+        closure: tuple[Cell, ...] = tuple(c.cell for c in value.items if isinstance(c, CellRefV))
+        return dataclasses.replace(fn, closure=closure)
+    if flag == _KWDEFAULTS:
+        assert isinstance(value, DictV)
+        kwdefaults = {str(k): v for k, v in frame.ctx.dict_items(value).items()}
+        return dataclasses.replace(fn, kwdefaults=kwdefaults)
+    if flag == _DEFAULTS:
+        return dataclasses.replace(fn, defaults=tuple(frame.ctx.sequence_items(value)))
+    return fn  # annotations (and 3.14's __annotate__) change nothing a call does

@@ -13,9 +13,18 @@ import dis
 from ._containers import iterate
 from ._frame import Frame, handles
 from ._operators import is_same, truthy
-from ._pyversion import FOR_ITER_SKIPS_END_FOR, PY311, PY312
+from ._pyversion import (
+    COMMON_CONSTANTS,
+    END_FOR_POPS_ITERATOR,
+    FOR_ITER_EXITS_THROUGH_END_FOR,
+    NEW_LOADS_AND_HINTS,
+    PY311,
+    PY312,
+    RETURN_CONST_REMOVED,
+    WITH_LOADS_SPECIAL_METHODS,
+)
 from ._refusal import TraceRefusalKind, refuse
-from ._values import ConstV, GradExitV, GradModeV, IteratorV, Value
+from ._values import NULL, ConstV, GradEnterV, GradExitV, GradModeV, IteratorV, Value
 
 _NONE = ConstV(None)
 
@@ -83,16 +92,28 @@ def _for_iter(frame: Frame, inst: dis.Instruction) -> None:
         it.pos += 1
         frame.push(it.items[it.pos - 1])
         return
-    frame.pop()
+    if FOR_ITER_EXITS_THROUGH_END_FOR:
+        frame.push(_NONE)  # what END_FOR pops in place of a value
+    else:
+        frame.pop()
     frame.jump(inst.argval)
-    if FOR_ITER_SKIPS_END_FOR:
-        frame.ip += 1
 
 
 @handles("END_FOR", when=PY312)
 def _end_for(frame: Frame, inst: dis.Instruction) -> None:
     frame.pop()
+    if END_FOR_POPS_ITERATOR:
+        frame.pop()
+
+
+@handles("POP_ITER", when=NEW_LOADS_AND_HINTS)
+def _pop_iter(frame: Frame, inst: dis.Instruction) -> None:
     frame.pop()
+
+
+@handles("NOT_TAKEN", when=NEW_LOADS_AND_HINTS)
+def _not_taken(frame: Frame, inst: dis.Instruction) -> None:
+    """3.14: a hint for branch monitoring; nothing happens."""
 
 
 @handles("RETURN_VALUE")
@@ -100,14 +121,24 @@ def _return_value(frame: Frame, inst: dis.Instruction) -> None:
     frame.result = frame.pop()
 
 
-@handles("RETURN_CONST", when=PY312)
+@handles("RETURN_CONST", when=PY312 and not RETURN_CONST_REMOVED)
 def _return_const(frame: Frame, inst: dis.Instruction) -> None:
     frame.result = ConstV(inst.argval)
 
 
-@handles("LOAD_ASSERTION_ERROR")
+@handles("LOAD_ASSERTION_ERROR", when=not COMMON_CONSTANTS)
 def _load_assertion_error(frame: Frame, inst: dis.Instruction) -> None:
     frame.push(ConstV(AssertionError))
+
+
+# CPython's common constants (Python/pylifecycle.c, 3.14), by LOAD_COMMON_CONSTANT's oparg.
+_COMMON_CONSTANTS: tuple[object, ...] = (AssertionError, NotImplementedError, tuple, all, any)
+
+
+@handles("LOAD_COMMON_CONSTANT", when=COMMON_CONSTANTS)
+def _load_common_constant(frame: Frame, inst: dis.Instruction) -> None:
+    assert inst.arg is not None
+    frame.push(ConstV(_COMMON_CONSTANTS[inst.arg]))
 
 
 @handles("RAISE_VARARGS")
@@ -124,18 +155,40 @@ def _raise_varargs(frame: Frame, inst: dis.Instruction) -> None:
     )
 
 
-@handles("BEFORE_WITH")
-def _before_with(frame: Frame, inst: dis.Instruction) -> None:
-    manager = frame.pop()
+def _grad_mode(manager: Value) -> GradModeV:
     if not isinstance(manager, GradModeV):
         raise refuse(
             TraceRefusalKind.UNSUPPORTED_CALL,
             f"with-statement over a {manager.py_type.__qualname__}",
             "only `with torch.no_grad()` and `with torch.enable_grad()` are supported",
         )
+    return manager
+
+
+@handles("BEFORE_WITH", when=not WITH_LOADS_SPECIAL_METHODS)
+def _before_with(frame: Frame, inst: dis.Instruction) -> None:
+    manager = _grad_mode(frame.pop())
     frame.push(GradExitV(frame.ctx.grad_enabled))
     frame.ctx.grad_enabled = manager.enabled
     frame.push(_NONE)
+
+
+# CPython's special methods (Python/ceval.c, 3.14), by LOAD_SPECIAL's oparg.
+_ENTER, _EXIT = 0, 1
+
+
+@handles("LOAD_SPECIAL", when=WITH_LOADS_SPECIAL_METHODS)
+def _load_special(frame: Frame, inst: dis.Instruction) -> None:
+    """3.14: ``__exit__`` is loaded before ``__enter__`` is called, so it captures the
+    grad mode to restore; the NULL follows the bound method (as Dynamo models it)."""
+    manager = _grad_mode(frame.pop())
+    if inst.arg == _ENTER:
+        frame.push(GradEnterV(manager.enabled))
+    elif inst.arg == _EXIT:
+        frame.push(GradExitV(frame.ctx.grad_enabled))
+    else:
+        raise refuse(TraceRefusalKind.UNSUPPORTED_OPCODE, f"LOAD_SPECIAL {inst.argrepr}")
+    frame.push(NULL)
 
 
 @handles("RETURN_GENERATOR")

@@ -6,7 +6,15 @@ import dis
 
 from ._attributes import del_attr, get_attr, set_attr
 from ._frame import Frame, handles
-from ._pyversion import LOAD_ATTR_HAS_METHOD_BIT, PY311, PY312
+from ._pyversion import (
+    FUSED_LOCAL_ACCESS,
+    LOAD_ATTR_HAS_METHOD_BIT,
+    LOAD_CLOSURE_IS_LOAD_FAST,
+    NEW_LOADS_AND_HINTS,
+    NULL_FOLLOWS_CALLABLE,
+    PY311,
+    PY312,
+)
 from ._refusal import TraceRefusalKind, refuse
 from ._values import NULL, CellRefV, ConstV, SuperV, Value
 
@@ -35,24 +43,50 @@ def _precall(frame: Frame, inst: dis.Instruction) -> None:
 
 
 @handles("LOAD_CONST")
+@handles("LOAD_SMALL_INT", when=NEW_LOADS_AND_HINTS)
 def _load_const(frame: Frame, inst: dis.Instruction) -> None:
     frame.push(_const(inst.argval))
 
 
-@handles("LOAD_FAST_CHECK", when=PY312)
-def _load_fast_check(frame: Frame, inst: dis.Instruction) -> None:
-    _load_fast(frame, inst)
-
-
-@handles("LOAD_FAST")
-def _load_fast(frame: Frame, inst: dis.Instruction) -> None:
-    name = inst.argval
+def _push_local(frame: Frame, name: str) -> None:
+    if LOAD_CLOSURE_IS_LOAD_FAST and name not in frame.locals and name in frame.cells:
+        frame.push(CellRefV(frame.cells.cell(name)))
+        return
     if name not in frame.locals:
         raise refuse(
             TraceRefusalKind.HOOK_RAISES,
             f"UnboundLocalError: local {name!r} referenced before assignment",
         )
     frame.push(frame.locals[name])
+
+
+@handles("LOAD_FAST")
+@handles("LOAD_FAST_CHECK", when=PY312)
+@handles("LOAD_FAST_BORROW", when=NEW_LOADS_AND_HINTS)
+def _load_fast(frame: Frame, inst: dis.Instruction) -> None:
+    _push_local(frame, inst.argval)
+
+
+@handles("LOAD_FAST_LOAD_FAST", when=FUSED_LOCAL_ACCESS)
+@handles("LOAD_FAST_BORROW_LOAD_FAST_BORROW", when=NEW_LOADS_AND_HINTS)
+def _load_fast_load_fast(frame: Frame, inst: dis.Instruction) -> None:
+    first, second = inst.argval
+    _push_local(frame, first)
+    _push_local(frame, second)
+
+
+@handles("STORE_FAST_LOAD_FAST", when=FUSED_LOCAL_ACCESS)
+def _store_fast_load_fast(frame: Frame, inst: dis.Instruction) -> None:
+    stored, loaded = inst.argval
+    _store_local(frame, stored, frame.pop())
+    _push_local(frame, loaded)
+
+
+@handles("STORE_FAST_STORE_FAST", when=FUSED_LOCAL_ACCESS)
+def _store_fast_store_fast(frame: Frame, inst: dis.Instruction) -> None:
+    first, second = inst.argval
+    _store_local(frame, first, frame.pop())
+    _store_local(frame, second, frame.pop())
 
 
 @handles("LOAD_FAST_AND_CLEAR", when=PY312)
@@ -70,8 +104,10 @@ def _load_fast_and_clear(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("STORE_FAST")
 def _store_fast(frame: Frame, inst: dis.Instruction) -> None:
-    name = inst.argval
-    value = frame.pop()
+    _store_local(frame, inst.argval, frame.pop())
+
+
+def _store_local(frame: Frame, name: str, value: Value) -> None:
     if name in frame.cell_names:
         # 3.12: a slot shared by a local and a comprehension's cell holds one or the other.
         frame.cells.rebind(name, value.cell if isinstance(value, CellRefV) else None)
@@ -92,9 +128,16 @@ def _delete_fast(frame: Frame, inst: dis.Instruction) -> None:
 @handles("LOAD_GLOBAL")
 def _load_global(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
-    if inst.arg & 1:
+    _push_callable(frame, frame.ctx.load_global(frame.globals, inst.argval), bool(inst.arg & 1))
+
+
+def _push_callable(frame: Frame, value: Value, with_null: bool) -> None:
+    """``value``, with the NULL a call expects beside it (below it until 3.12, above from 3.13)."""
+    if with_null and not NULL_FOLLOWS_CALLABLE:
         frame.push(NULL)
-    frame.push(frame.ctx.load_global(frame.globals, inst.argval))
+    frame.push(value)
+    if with_null and NULL_FOLLOWS_CALLABLE:
+        frame.push(NULL)
 
 
 @handles("STORE_GLOBAL")
@@ -135,9 +178,7 @@ def _load_attr(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
     obj = frame.pop()
     attr = get_attr(frame.ctx, obj, inst.argval, frame.depth)
-    if LOAD_ATTR_HAS_METHOD_BIT and inst.arg & 1:
-        frame.push(NULL)
-    frame.push(attr)
+    _push_callable(frame, attr, LOAD_ATTR_HAS_METHOD_BIT and bool(inst.arg & 1))
 
 
 @handles("LOAD_METHOD", when=PY311)
@@ -156,9 +197,7 @@ def _load_super_attr(frame: Frame, inst: dis.Instruction) -> None:
     if not isinstance(cls_v, ConstV) or not isinstance(cls_v.value, type):
         raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, "super() with an unknown class")
     attr = get_attr(frame.ctx, SuperV(cls_v.value, self_v), inst.argval, frame.depth)
-    if inst.arg & 1:
-        frame.push(NULL)
-    frame.push(attr)
+    _push_callable(frame, attr, bool(inst.arg & 1))
 
 
 @handles("STORE_ATTR")

@@ -14,7 +14,13 @@ from ._containers import set_item as dict_set_item
 from ._frame import Frame, handles
 from ._operators import del_item, get_item, set_item
 from ._ops_arith import unary_positive
-from ._pyversion import PY311, PY312
+from ._pyversion import (
+    CONST_KEY_MAP_REMOVED,
+    FORMAT_VALUE_SPLIT,
+    PY311,
+    PY312,
+    SUBSCRIPT_IS_BINARY_OP,
+)
 from ._refusal import TraceRefusalKind, refuse
 from ._values import NULL, ConstV, DictV, ListV, SetV, SliceV, SymV, TupleV, Value
 
@@ -87,7 +93,7 @@ def _build_map(frame: Frame, inst: dis.Instruction) -> None:
     frame.push(frame.ctx.new_dict(items.items()))
 
 
-@handles("BUILD_CONST_KEY_MAP")
+@handles("BUILD_CONST_KEY_MAP", when=not CONST_KEY_MAP_REMOVED)
 def _build_const_key_map(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
     keys = frame.ctx.specialize(frame.pop())
@@ -108,14 +114,36 @@ def _build_slice(frame: Frame, inst: dis.Instruction) -> None:
     frame.push(make_slice(frame, frame.popn(inst.arg)))
 
 
-@handles("FORMAT_VALUE")
+@handles("FORMAT_VALUE", when=not FORMAT_VALUE_SPLIT)
 def _format_value(frame: Frame, inst: dis.Instruction) -> None:
     assert inst.arg is not None
     spec = frame.ctx.specialize(frame.pop()) if inst.arg & 4 else ""
+    _push_formatted(frame, frame.pop(), inst.arg & 3, spec)
+
+
+@handles("CONVERT_VALUE", when=FORMAT_VALUE_SPLIT)
+def _convert_value(frame: Frame, inst: dis.Instruction) -> None:
+    assert inst.arg is not None
     value = python_value(frame.ctx, frame.pop())
-    conversion = _CONVERSIONS.get(inst.arg & 3)
-    if conversion is not None:
-        value = python_op(conversion, value)
+    frame.push(ConstV(python_op(_CONVERSIONS[inst.arg], value)))
+
+
+@handles("FORMAT_SIMPLE", when=FORMAT_VALUE_SPLIT)
+def _format_simple(frame: Frame, inst: dis.Instruction) -> None:
+    _push_formatted(frame, frame.pop(), 0, "")
+
+
+@handles("FORMAT_WITH_SPEC", when=FORMAT_VALUE_SPLIT)
+def _format_with_spec(frame: Frame, inst: dis.Instruction) -> None:
+    spec = frame.ctx.specialize(frame.pop())
+    _push_formatted(frame, frame.pop(), 0, spec)
+
+
+def _push_formatted(frame: Frame, value_v: Value, conversion: int, spec: str) -> None:
+    """``format(value, spec)``, after ``str``/``repr``/``ascii`` when ``conversion`` says so."""
+    value = python_value(frame.ctx, value_v)
+    if conversion:
+        value = python_op(_CONVERSIONS[conversion], value)
     frame.push(ConstV(python_op(format, value, spec)))
 
 
@@ -229,7 +257,7 @@ def _unpack_ex(frame: Frame, inst: dis.Instruction) -> None:
     frame.stack.extend(reversed(out))
 
 
-@handles("BINARY_SUBSCR")
+@handles("BINARY_SUBSCR", when=not SUBSCRIPT_IS_BINARY_OP)
 def _binary_subscr(frame: Frame, inst: dis.Instruction) -> None:
     index = frame.pop()
     container = frame.pop()

@@ -251,6 +251,17 @@ class GradModeV(Value):
 
 
 @dataclass(eq=False)
+class GradEnterV(Value):
+    """The bound ``__enter__`` of a grad-mode context (3.14's LOAD_SPECIAL): sets ``enabled``."""
+
+    enabled: bool
+
+    @property
+    def py_type(self) -> type:
+        return types.MethodType
+
+
+@dataclass(eq=False)
 class GradExitV(Value):
     """The bound ``__exit__`` of a grad-mode context: restores ``previous``."""
 
