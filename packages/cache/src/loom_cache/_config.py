@@ -30,6 +30,8 @@ DEFAULT_MAX_BYTES: Final = 2 << 30
 DEFAULT_TIMEOUT_S: Final = 0.5
 DEFAULT_RETRY_AFTER_S: Final = 30.0
 DEFAULT_REMOTE_MAX_BYTES: Final = 128 << 20
+#: The most a key file may hold (a key is a line of text; a few keys fit many times).
+KEY_FILE_MAX_BYTES: Final = 4096
 _UNITS: Final = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _SIZE: Final = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
 #: Query parameters whose values never enter a message (``?password=...``, ``ssl_password``).
@@ -260,14 +262,56 @@ def _choice(var: str, raw: str | None, choices: tuple[str, ...]) -> str:
     return value
 
 
+_FILE_KINDS: Final = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+class _NotASecret(Exception):
+    """A key file that is not a small regular file (what it is, in words)."""
+
+
+def _read_secret(path: str) -> tuple[bytes, int]:
+    """The bytes of a small regular file (a symlink to one is followed) and its mode.
+
+    Opened with ``O_NONBLOCK`` so a FIFO without a writer cannot block, checked with
+    ``fstat`` before any read (a device, a FIFO, a directory is refused unread), and
+    read up to :data:`KEY_FILE_MAX_BYTES` plus one byte, whatever its size claims."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+            raise _NotASecret(f"it is {kind}, not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= KEY_FILE_MAX_BYTES:
+            chunk = os.read(fd, KEY_FILE_MAX_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > KEY_FILE_MAX_BYTES:
+        raise _NotASecret(f"it holds more than the {KEY_FILE_MAX_BYTES} bytes a key file may")
+    return b"".join(chunks), mode
+
+
 def _key_file(path: str) -> tuple[list[bytes], str | None]:
     """The keys of a key file, and why it cannot be used (None: it can)."""
     try:
-        with open(path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            lines = [ln.strip() for ln in f.read().splitlines()]
+        data, mode = _read_secret(path)
+    except _NotASecret as exc:
+        return [], str(exc)
     except OSError as exc:
         return [], exc.strerror or type(exc).__name__
+    lines = [ln.strip() for ln in data.splitlines()]
     if mode & (stat.S_IROTH | stat.S_IWOTH):
         what = (
             "written and read"
