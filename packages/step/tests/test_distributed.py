@@ -232,10 +232,14 @@ def _accumulator(p: torch.Tensor) -> Any:
     return p.view_as(p).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("hook", ["python", "builtin", "none"])
+@pytest.mark.parametrize(
+    ("hook", "compiled"), [("python", False), ("builtin", False), ("none", False), ("none", True)]
+)
 def test_a_rebuilt_ddp_reducer_makes_new_accumulators_and_keeps_hooks_and_settings(
-    gloo_group: None, hook: str
+    gloo_group: None, hook: str, compiled: bool
 ) -> None:
+    """The rebuild frees the nodes the old reducer kept, also where ``torch.compile``
+    wrapped the DDP (its wrappers hold copies of DDP's ``__dict__``, reducer included)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -258,11 +262,12 @@ def test_a_rebuilt_ddp_reducer_makes_new_accumulators_and_keeps_hooks_and_settin
         elif hook == "builtin":
             m._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
     ddp._set_static_graph()
+    wrapped = [torch.compile(ddp, backend="aot_eager")] if compiled else []
     for p in ddp.parameters():
         _accumulator(p).metadata["built_with_ddp"] = True  # the node the reducer keeps
     assert all("built_with_ddp" in _accumulator(p).metadata for p in ddp.parameters())
 
-    compat.rebuild_ddp_reducer(ddp)
+    compat.rebuild_ddp_reducer(ddp, wrapped)
 
     assert not any("built_with_ddp" in _accumulator(p).metadata for p in ddp.parameters())
     assert ddp.static_graph and ddp._get_ddp_logging_data().get("static_graph") == 1

@@ -196,18 +196,20 @@ FSDP2_CAPTURE_HINT = (
 
 
 def rehome_ddp_accumulators(
-    ddps: Sequence[tuple[str, torch.nn.Module]], on_step_stream: Callable[[Callable[[], None]], Any]
+    targets: StepTargets, on_step_stream: Callable[[Callable[[], None]], Any]
 ) -> None:
-    """Rebuild the reducer of each DDP on CUDA through ``on_step_stream`` (the capturer's
-    ``warm_up``: the stream its warm-ups and captures run on), so that the
-    ``AccumulateGrad`` nodes it keeps record that stream instead of the one DDP was built
-    on (the default stream cannot join a capture). Before the first warm-up, on every
-    rank (no collective)."""
-    for name, ddp in ddps:
+    """Rebuild the reducer of each DDP on CUDA among ``targets`` through ``on_step_stream``
+    (the capturer's ``warm_up``: the stream its warm-ups and captures run on), so that
+    the ``AccumulateGrad`` nodes it keeps record that stream instead of the one DDP was
+    built on (the default stream cannot join a capture). A DDP that ``torch.compile``
+    wrapped has its wrappers' copies of the reducer replaced too. Before the first
+    warm-up, on every rank (no collective)."""
+    for name, ddp in ddp_modules(targets):
         device = next((p.device for p in ddp.parameters()), None)
         if device is None or device.type != "cuda":
             continue
-        on_step_stream(functools.partial(compat.rebuild_ddp_reducer, ddp))
+        compiled = [m for _, m in targets.modules if getattr(m, "_orig_mod", None) is ddp]
+        on_step_stream(functools.partial(compat.rebuild_ddp_reducer, ddp, compiled))
         log.debug(
             "capture_step: %s (DDP): reducer rebuilt on the capture stream (its "
             "AccumulateGrad nodes had the stream DDP was built on)",

@@ -255,7 +255,7 @@ class CapturedStep(Generic[P, R]):
         self._static = self._static_refusal(leaves)
         ddps = ddp_modules(self._targets)
         if ddps:
-            rehome_ddp_accumulators(ddps, self.capturer.warm_up)
+            rehome_ddp_accumulators(self._targets, self.capturer.warm_up)
             quiet_ddp_timers(ddps)
             self._min_warmup = max(self.options.warmup, DDP_WARMUP)
             log.debug(

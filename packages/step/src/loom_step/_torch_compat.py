@@ -218,16 +218,24 @@ def set_ddp_runtime_logging_sample_rate(ddp: torch.nn.Module, rate: int) -> None
         setter(rate)
 
 
-def rebuild_ddp_reducer(ddp: torch.nn.Module) -> None:
+def rebuild_ddp_reducer(ddp: torch.nn.Module, compiled: Sequence[Any] = ()) -> None:
     """Build ``ddp``'s reducer anew on the current stream, as DDP's own ``__setstate__``
     does: the old reducer is dropped first, and with it the ``AccumulateGrad`` node of
     every parameter it kept (nothing else holds them between steps), so the new reducer
     makes them anew and each records the current stream. The communication hooks (Python
     ones, mixed precision's included, and a built-in one, which DDP records by name only),
-    the mixed-precision dtype and the static-graph setting carry over to the new reducer."""
+    the mixed-precision dtype and the static-graph setting carry over to the new reducer.
+
+    ``compiled``: modules that ``torch.compile`` made of ``ddp``. Dynamo wraps ``ddp`` in
+    functions made with ``functools.wraps``, which copies the module's ``__dict__``, its
+    reducer and logger included, into each wrapper's: those copies would keep the old
+    reducer (and its nodes) alive, so they are pointed at the new one."""
     import torch.distributed as dist
 
     d: Any = ddp
+    copies = _ddp_state_copies(ddp, compiled)
+    for copy in copies:
+        copy["reducer"] = copy["logger"] = None
     hooks = list(d._comm_hooks)
     data = d._get_ddp_logging_data()
     name = data.get("comm_hook") if isinstance(data, dict) else None
@@ -251,6 +259,25 @@ def rebuild_ddp_reducer(ddp: torch.nn.Module) -> None:
     if d.static_graph:
         d.reducer._set_static_graph()
         d.logger._set_static_graph()
+    for copy in copies:
+        copy["reducer"], copy["logger"] = d.reducer, d.logger
+
+
+def _ddp_state_copies(ddp: torch.nn.Module, compiled: Sequence[Any]) -> list[dict[str, Any]]:
+    """The ``__dict__`` of each function between a compiled module's ``forward`` and
+    ``ddp`` (followed through ``__wrapped__``) that holds ``ddp``'s reducer."""
+    reducer = getattr(ddp, "reducer", None)
+    found: list[dict[str, Any]] = []
+    for module in compiled:
+        fn = getattr(module, "forward", None)
+        for _ in range(16):  # a wrapper chain is a few functions long
+            if fn is None or fn is ddp:
+                break
+            state = getattr(fn, "__dict__", None)
+            if isinstance(state, dict) and state.get("reducer") is reducer:
+                found.append(state)
+            fn = getattr(fn, "__wrapped__", None)
+    return found
 
 
 def is_fsdp2_module(module: torch.nn.Module) -> bool:
