@@ -299,3 +299,30 @@ def test_sgd_with_a_tensor_lr_is_refused_with_what_to_change() -> None:
     assert reason is not None and reason.kind is StepRefusalKind.SYNC_OP
     assert reason.origin.startswith("torch/optim/sgd.py:")
     assert "float lr with SGD" in reason.hint and "capturable=True" in reason.hint
+
+
+def test_fsdp2_events_of_a_failed_capture_are_forgotten_before_the_eager_call(
+    fake_group: None,
+) -> None:
+    """After a failed capture FSDP2 holds events recorded inside it (the last
+    all-gather's, the post-reduce event), which the eager call that follows would wait on
+    (CUDA: "invalid argument"). They are dropped, and an eager step runs after."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(torch.randn(2, 4)).sum().backward()
+    states = [compat._fsdp2_state(m) for m in model]  # the root holds no parameters
+    stale = object()  # stands for an event recorded inside the failed capture
+    for state in states:
+        state._comm_ctx.all_gather_state = stale
+        state._fsdp_param_group._post_reduce_event = stale
+    for m in (*model, model):
+        compat.fsdp2_forget_events(m)
+    assert all(s._comm_ctx.all_gather_state is None for s in states)
+    assert all(s._fsdp_param_group._post_reduce_event is None for s in states)
+    model(torch.randn(2, 4)).sum().backward()  # the eager call after the failed capture

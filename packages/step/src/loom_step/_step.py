@@ -581,6 +581,8 @@ class CapturedStep(Generic[P, R]):
                 self._agreement = None
         if failed is not None:
             self._refuse(failed)
+            for _, module in self._fsdps:  # events recorded inside the failed capture
+                compat.fsdp2_forget_events(module)
             return self._eager(args, kwargs)
         rec = new_recording(self.capturer, current, probe, static, made, self._clone_outputs)
         del made

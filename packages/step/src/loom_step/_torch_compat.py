@@ -28,6 +28,7 @@ __all__ = [
     "distributed_initialized",
     "foreach_copy_",
     "fsdp2_comm_streams",
+    "fsdp2_forget_events",
     "fsdp2_offloads",
     "fsdp2_post_optim_event",
     "global_state_check",
@@ -309,6 +310,26 @@ def fsdp2_comm_streams(module: torch.nn.Module) -> list[Any]:
     group = getattr(state, "_fsdp_param_group", None)
     streams.append(getattr(group, "_all_reduce_hook_stream", None))
     return [s for s in streams if s is not None]
+
+
+def fsdp2_forget_events(module: torch.nn.Module) -> None:
+    """Drop the CUDA events FSDP2 keeps between ``module``'s collectives (the last
+    all-gather's, the reduce-scatter's, the post-reduce event) and the results they
+    guard. After a failed capture they are events recorded inside it, which a later
+    eager wait rejects ("invalid argument"); eagerly, FSDP2 clears them itself by the
+    end of each step, so an eager step after this finds what it expects."""
+    state = _fsdp2_state(module)
+    if state is None:
+        return
+    ctx = getattr(state, "_comm_ctx", None)
+    if ctx is not None:
+        ctx.all_gather_state = None
+        ctx.reduce_scatter_state = None
+    group = getattr(state, "_fsdp_param_group", None)
+    if group is not None:
+        group._all_gather_result = None
+        group._post_reduce_event = None
+        group._all_reduce_state = None
 
 
 def fsdp2_offloads(module: torch.nn.Module) -> bool:
