@@ -7,8 +7,24 @@ import logging
 
 import pytest
 
-from loom_cache import LocalStore, parse_size, redact_url
-from loom_cache._config import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S, redact, timeout_from_env
+from loom_cache import (
+    CacheConfig,
+    CacheConfigError,
+    CacheKey,
+    Entry,
+    KeyComponent,
+    LocalStore,
+    RedisStore,
+    parse_size,
+    redact_url,
+)
+from loom_cache._config import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_RETRY_AFTER_S,
+    DEFAULT_TIMEOUT_S,
+    redact,
+    timeout_from_env,
+)
 
 
 @pytest.mark.parametrize(
@@ -90,3 +106,60 @@ def test_urls_are_shown_without_their_password(url: str, shown: str) -> None:
 def test_messages_lose_the_password_as_written_and_decoded() -> None:
     url = "redis://u:p%40ss@h:1/2"
     assert redact("auth failed for p@ss and p%40ss", url) == "auth failed for *** and ***"
+
+
+@pytest.mark.parametrize(
+    ("var", "raw"),
+    [
+        ("TORCHLOOM_REMOTE_CACHE_TIMEOUT", "1e10"),  # every remote call overflowed time_t
+        ("TORCHLOOM_REMOTE_CACHE_TIMEOUT", "99999999999"),
+        ("TORCHLOOM_REMOTE_CACHE_TIMEOUT", "601"),
+        ("TORCHLOOM_REMOTE_CACHE_TIMEOUT", "\uff11\uff12"),  # fullwidth "12"
+        ("TORCHLOOM_REMOTE_CACHE_TIMEOUT", "\u0663"),  # Arabic-Indic "3"
+        ("TORCHLOOM_REMOTE_CACHE_RETRY_AFTER", "1e300"),
+        ("TORCHLOOM_REMOTE_CACHE_RETRY_AFTER", "\u0663"),
+    ],
+)
+def test_an_absurd_or_non_ascii_number_of_seconds_warns_naming_the_variable_and_uses_the_default(
+    var: str, raw: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    config = CacheConfig.from_env({var: raw})
+    assert (config.remote_timeout_s, config.remote_retry_after_s) == (
+        DEFAULT_TIMEOUT_S,
+        DEFAULT_RETRY_AFTER_S,
+    )
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert var in warning and repr(raw) in warning and "ASCII digits" in warning
+
+
+@pytest.mark.parametrize("text", ["\uff11\uff12\uff13", "\u0663", "1\u0663K", "99999999999T"])
+def test_sizes_refuse_non_ascii_digits_and_sizes_past_one_pib(text: str) -> None:
+    with pytest.raises(ValueError, match=r"is not a size|past the largest size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"remote_timeout_s": 1e10},
+        {"remote_retry_after_s": 1e300},
+        {"max_bytes": 1 << 60},
+        {"remote_max_bytes": 1 << 60},
+    ],
+)
+def test_absurd_numbers_given_in_code_are_refused(changes: dict[str, float]) -> None:
+    with pytest.raises(CacheConfigError, match="must be"):
+        CacheConfig(**changes)  # type: ignore[arg-type]
+
+
+def test_an_absurd_timeout_from_the_environment_leaves_the_remote_tier_working(
+    tmp_path: object, redis_server: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHLOOM_REMOTE_CACHE_TIMEOUT", "1e10")
+    monkeypatch.setenv("TORCHLOOM_CACHE_KEY", "fleet-key-0123456789abcdef")
+    store = RedisStore(redis_server.url)  # type: ignore[attr-defined]
+    assert store.timeout_s == DEFAULT_TIMEOUT_S
+    entry = Entry(CacheKey("p", (KeyComponent("graph", "ab" * 32, "g"),)), b"payload")
+    assert store.put(entry).stored  # no OverflowError from the socket's timeout
+    assert store.lookup(entry.digest).hit

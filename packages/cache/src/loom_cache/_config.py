@@ -30,10 +30,19 @@ DEFAULT_MAX_BYTES: Final = 2 << 30
 DEFAULT_TIMEOUT_S: Final = 0.5
 DEFAULT_RETRY_AFTER_S: Final = 30.0
 DEFAULT_REMOTE_MAX_BYTES: Final = 128 << 20
+#: The bounds of every numeric setting, checked where it is parsed (a value past one
+#: warns and uses the default): a remote call may wait up to 10 minutes (a socket
+#: timeout near 1e10 s overflows the platform's time_t), the breaker may stay open up
+#: to a day, and a size may reach 1 PiB.
+MAX_TIMEOUT_S: Final = 600.0
+MAX_RETRY_AFTER_S: Final = 86400.0
+MAX_SIZE_BYTES: Final = 1 << 50
 #: The most a key file may hold (a key is a line of text; a few keys fit many times).
 KEY_FILE_MAX_BYTES: Final = 4096
 _UNITS: Final = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
-_SIZE: Final = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
+# NOTE: [0-9], not \d: \d and float() take any Unicode digit (fullwidth, Arabic-Indic).
+_SIZE: Final = re.compile(r"\s*([0-9]+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
+_SECONDS: Final = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*")
 #: Query parameters whose values never enter a message (``?password=...``, ``ssl_password``).
 _SECRET_PARAM: Final = re.compile(r"pass|secret|token|auth|cred|key", re.IGNORECASE)
 _NAMESPACE: Final = re.compile(r"[A-Za-z0-9_.\-]{0,64}")
@@ -118,10 +127,16 @@ class CacheConfig:
         for key in self.keys:
             if len(key) < _MIN_KEY_BYTES:
                 raise CacheConfigError(f"a cache key needs at least {_MIN_KEY_BYTES} bytes")
-        for name in ("remote_timeout_s", "remote_retry_after_s"):
+        for name, most in (
+            ("remote_timeout_s", MAX_TIMEOUT_S),
+            ("remote_retry_after_s", MAX_RETRY_AFTER_S),
+        ):
             value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise CacheConfigError(f"{name} must be a positive number, got {value!r}")
+            if not (math.isfinite(value) and 0 < value <= most):
+                raise CacheConfigError(f"{name} must be in (0, {most}] seconds, got {value!r}")
+        for name in ("max_bytes", "remote_max_bytes"):
+            if getattr(self, name) > MAX_SIZE_BYTES:
+                raise CacheConfigError(f"{name} must be at most {MAX_SIZE_BYTES} bytes")
 
     @property
     def signing(self) -> bool:
@@ -177,7 +192,8 @@ def parse_size(text: str) -> int:
     """A byte count: a plain integer, or one with a binary suffix.
 
     ``K``/``M``/``G``/``T`` (also ``KiB``, ``KB``, any case) multiply by powers of 1024.
-    Fractions, exponents (``1e9``) and negative numbers are refused.
+    Fractions, exponents (``1e9``), negative numbers, digits other than ASCII ones and
+    sizes past :data:`MAX_SIZE_BYTES` (1 PiB) are refused.
 
     >>> parse_size("512M"), parse_size("1GiB"), parse_size("100")
     (536870912, 1073741824, 100)
@@ -187,7 +203,10 @@ def parse_size(text: str) -> int:
         raise ValueError(
             f"{text!r} is not a size (an integer, optionally with K, M, G or T: 512M, 1G)"
         )
-    return int(match.group(1)) << (10 * _UNITS[(match.group(2) or "").upper()])
+    size = int(match.group(1)) << (10 * _UNITS[(match.group(2) or "").upper()])
+    if size > MAX_SIZE_BYTES:
+        raise ValueError(f"{text!r} is past the largest size, {MAX_SIZE_BYTES} bytes (1 PiB)")
+    return size
 
 
 def _dir_base(env: Mapping[str, str]) -> tuple[tuple[str, str | None], ...]:
@@ -238,16 +257,14 @@ def _remote_max_bytes(raw: str | None) -> int:
     return value
 
 
-def _seconds(var: str, raw: str | None, default: float) -> float:
+def _seconds(var: str, raw: str | None, default: float, most: float) -> float:
     raw = (raw or "").strip()
     if not raw:
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        _warn(var, raw, "not a positive number of seconds", f"the default {default} s")
+    value = float(raw) if _SECONDS.fullmatch(raw) else math.nan
+    if not (0 < value <= most):
+        why = f"not a number of seconds in (0, {most:g}] written with ASCII digits"
+        _warn(var, raw, why, f"the default {default} s")
         return default
     return value
 
@@ -410,11 +427,13 @@ def _resolve(items: tuple[tuple[str, str | None], ...]) -> CacheConfig:
             "TORCHLOOM_REMOTE_CACHE_TIMEOUT",
             env.get("TORCHLOOM_REMOTE_CACHE_TIMEOUT"),
             DEFAULT_TIMEOUT_S,
+            MAX_TIMEOUT_S,
         ),
         remote_retry_after_s=_seconds(
             "TORCHLOOM_REMOTE_CACHE_RETRY_AFTER",
             env.get("TORCHLOOM_REMOTE_CACHE_RETRY_AFTER"),
             DEFAULT_RETRY_AFTER_S,
+            MAX_RETRY_AFTER_S,
         ),
         remote_trust=trust,  # type: ignore[arg-type]
         remote_max_bytes=_remote_max_bytes(env.get("TORCHLOOM_REMOTE_CACHE_MAX_BYTES")),
