@@ -111,3 +111,31 @@ def test_an_unusable_password_url_is_ignored_without_showing_the_password(
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "ignoring TORCHLOOM_REMOTE_CACHE=nosuch://:***@host:1/0" in warning
     assert "s3cr3t" not in warning
+
+
+def test_a_full_redis_refuses_writes_and_still_serves_its_entries(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import redis
+    from local_redis import RedisServer
+
+    config = CacheConfig(keys=(b"fleet-key-0123456789abcdef",))
+    full = ("--maxmemory", "8mb", "--maxmemory-policy", "noeviction")
+    with RedisServer(extra=full) as server:
+        assert RedisStore(server.url, config=config).put(_entry(7)).stored
+        client = redis.Redis.from_url(server.url)
+        with pytest.raises(redis.OutOfMemoryError):  # fill it until SET is refused
+            for i in range(10_000):
+                client.set(f"filler:{i}", b"f" * 65536)
+        caplog.set_level(logging.WARNING, logger="torchloom.cache")
+        store = TieredStore(
+            LocalStore(tmp_path, config=config), RedisStore(server.url, config=config)
+        )
+        big = Entry(_entry(8).key, b"y" * (1 << 20))
+        stored = store.put(big)
+        assert stored.tier == "local"  # the remote tier refused it: OOM
+        (warning,) = [r.getMessage() for r in caplog.records]
+        assert "refused SET: OutOfMemoryError" in warning and "still serves" in warning
+        found = store.lookup(_entry(7).digest)  # not in the local tier: only Redis has it
+        assert found.hit and found.tier == "redis", found.reason
+        assert store.local.lookup(_entry(7).digest).hit  # and it was promoted

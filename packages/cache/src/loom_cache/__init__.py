@@ -31,6 +31,7 @@ from loom_cache._local import LocalStore, default_cache_dir
 from loom_cache._make_key import code_component, make_key
 from loom_cache._redis import RedisStore
 from loom_cache._store import (
+    CommandRefused,
     EntryInfo,
     Lookup,
     PutResult,
@@ -53,6 +54,7 @@ __all__ = [
     "CacheConfig",
     "CacheConfigError",
     "CacheKey",
+    "CommandRefused",
     "ComponentDiff",
     "Entry",
     "EntryError",

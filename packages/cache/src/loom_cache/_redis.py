@@ -14,8 +14,12 @@ the entry's header, refused past ``remote_max_bytes``. Retries are off.
 Failures: any failure of a call, whatever its exception type, surfaces as
 :class:`StoreUnavailable` (the tiered store then logs it and its circuit
 breaker skips the tier), and the pool's idle connections are dropped so a
-half-set-up connection is never reused. A problem of one key (a ``WRONGTYPE``
-value, a corrupt, forged or oversized entry) is a miss for that key only.
+half-set-up connection is never reused. An error reply (redis-py's
+``ResponseError``: ``OOM`` from a full server with ``noeviction``, ``READONLY``
+from a replica, ``NOPERM``) means the server is there and refused that command:
+:class:`CommandRefused`, so a refused write leaves reads on. A problem of one
+key (a ``WRONGTYPE`` value, a corrupt, forged or oversized entry) is a miss for
+that key only.
 
 Trust: with a key set (``TORCHLOOM_CACHE_KEY``) entries are written signed and
 only entries whose HMAC checks out are served; without one, the tier serves
@@ -48,7 +52,7 @@ from loom_cache._entry import (
     encode_entry,
 )
 from loom_cache._key import CacheKey
-from loom_cache._store import EntryInfo, Lookup, PutResult, StoreUnavailable
+from loom_cache._store import CommandRefused, EntryInfo, Lookup, PutResult, StoreUnavailable
 
 log = logging.getLogger("torchloom.cache")
 
@@ -256,7 +260,11 @@ class RedisStore:
             except self._response_error as exc:
                 if str(exc).startswith("WRONGTYPE"):
                     raise KeyRefused(f"the key holds another type of value ({exc})") from None
-                raise self._unavailable(exc) from None
+                # NOTE: an error reply: the server is there and refused this command
+                message = redact(f"{type(exc).__name__}: {exc}", self.url)
+                raise CommandRefused(
+                    f"redis at {redact_url(self.url)} refused {method.upper()}: {message}"
+                ) from None
             except self._server_faults as exc:
                 # NOTE: a hostile or broken server makes redis-py raise AttributeError,
                 # ValueError, ... out of its handshake or parser; anything else is a

@@ -4,7 +4,9 @@ A store maps a key digest to an :class:`~loom_cache._entry.Entry`. Lookups
 return a :class:`Lookup` that says where the entry came from or why there is
 none (absent, corrupt, unreachable), so a miss always has a reason. A put
 returns a :class:`PutResult` the same way: a store never raises for a local
-problem (an unusable directory), it says why nothing was stored.
+problem (an unusable directory), it says why nothing was stored. A remote store
+raises :class:`StoreUnavailable` when it cannot be reached, and its subclass
+:class:`CommandRefused` when it answered with a refusal.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from loom_cache._key import CacheKey
 
 class StoreUnavailable(RuntimeError):
     """A store could not be reached in time (remote down or slow)."""
+
+
+class CommandRefused(StoreUnavailable):
+    """The store answered, but refused this command (a full Redis refusing a write
+    with ``OOM``, a read-only replica, an ACL): the store is reachable, and a refused
+    write does not stop its reads."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,10 @@ logs one warning and a circuit breaker skips the remote tier for
 ``retry_after_s`` seconds (``TORCHLOOM_REMOTE_CACHE_RETRY_AFTER``); the first
 call after that probes it again. Any exception out of the remote tier counts as
 such a failure, whatever its type: nothing the remote tier raises reaches the
-caller.
+caller. One kind is narrower: a write the remote tier refused
+(:class:`CommandRefused`, e.g. a full Redis answering ``OOM``) pauses the
+remote tier's writes for as long, with one warning, and its reads go on: a
+full server still serves what it holds.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from collections.abc import Iterator
 from loom_cache._config import CacheConfig
 from loom_cache._entry import Entry
 from loom_cache._local import LocalStore
-from loom_cache._store import EntryInfo, Lookup, PutResult, Store, StoreUnavailable
+from loom_cache._store import (
+    CommandRefused,
+    EntryInfo,
+    Lookup,
+    PutResult,
+    Store,
+    StoreUnavailable,
+)
 
 log = logging.getLogger("torchloom.cache")
 
@@ -44,11 +54,30 @@ class TieredStore:
             retry_after_s if retry_after_s is not None else local.config.remote_retry_after_s
         )
         self._down_until = 0.0
+        self._writes_down_until = 0.0
         self._warned = False
+        self._warned_writes = False
         self.remote_errors = 0
 
     def _remote_usable(self) -> bool:
         return self.remote is not None and time.monotonic() >= self._down_until
+
+    def _remote_writable(self) -> bool:
+        return self._remote_usable() and time.monotonic() >= self._writes_down_until
+
+    def _write_refused(self, exc: CommandRefused) -> None:
+        self.remote_errors += 1
+        self._writes_down_until = time.monotonic() + self.retry_after_s
+        if not self._warned_writes:
+            self._warned_writes = True
+            log.warning(
+                "loom cache: the remote tier refused a write, so it stores nothing for "
+                "%g s and still serves its entries: %s",
+                self.retry_after_s,
+                exc,
+            )
+        else:
+            log.debug("loom cache: the remote tier still refuses writes: %s", exc)
 
     def _remote_failed(self, exc: Exception) -> None:
         if not isinstance(exc, StoreUnavailable):  # a store other than RedisStore
@@ -80,10 +109,12 @@ class TieredStore:
     def put(self, entry: Entry) -> PutResult:
         """Stored when any tier stored it; otherwise the local tier's reason."""
         local = self.local.put(entry)
-        if self._remote_usable():
+        if self._remote_writable():
             assert self.remote is not None
             try:
                 remote = self.remote.put(entry)
+            except CommandRefused as exc:
+                self._write_refused(exc)
             except Exception as exc:
                 self._remote_failed(exc)
             else:
