@@ -266,6 +266,8 @@ def test_tensor_lr_from_a_scheduler_is_read_by_replays(cuda: torch.device) -> No
     _assert_same_params(m1, m2)
     # the capture's own call replays too: every call after the three warm-ups
     assert step.stats().recordings == 1 and step.stats().replays == 7
+    # the graph pool: the step's intermediates, gradients and static outputs
+    assert step.stats().pool_bytes > 0 and "graph pool" in step.stats().format()
 
 
 def test_float_lr_change_records_again(cuda: torch.device) -> None:

@@ -200,7 +200,12 @@ class CudaCapturer:
         return int(torch.cuda.memory_reserved(self.device))
 
     def pool_bytes(self, before: int) -> int:
-        return max(0, self.reserved() - before)
+        # NOTE: no empty_cache here: the first replay, right after the capture, may read
+        # blocks freed during it that no pool owns, which emptying would hand back to
+        # the driver. ``before`` was read on an emptied cache, and a capture allocates
+        # from its pool only, so the growth is the pool's.
+        torch.cuda.synchronize(self.device)
+        return max(0, int(torch.cuda.memory_reserved(self.device)) - before)
 
 
 class _HostGraph:

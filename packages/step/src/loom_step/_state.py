@@ -52,6 +52,8 @@ class StepCounters:
     agreed_calls: int = 0
     #: agreed calls that did not do what this rank proposed (another rank's decision)
     overruled_calls: int = 0
+    #: bytes the allocator reserved for the recordings' graph pools
+    pool_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,6 +78,9 @@ class StepStats:
     #: another rank's proposal (this rank ran eagerly, or recorded, instead).
     agreed_calls: int = 0
     overruled_calls: int = 0
+    #: Bytes the allocator reserved for the recordings' graph pools (the memory a
+    #: replay's intermediate tensors live in, beside the step's own state).
+    pool_bytes: int = 0
 
     @property
     def captured(self) -> bool:
@@ -90,6 +95,8 @@ class StepStats:
         ]
         if self.refusal is not None:
             lines.append(f"  refused: {self.refusal}")
+        if self.pool_bytes:
+            lines.append(f"  graph pool: {self.pool_bytes / 2**20:.1f} MiB reserved")
         if self.agreed_calls:
             lines.append(
                 f"  ranks: {self.agreed_calls} calls agreed, {self.overruled_calls} decided "

@@ -567,6 +567,7 @@ class CapturedStep(Generic[P, R]):
         # FSDP2's side streams joined the capture through their waits on it: join them back.
         streams = fsdp2_streams(self._fsdps)
         finish = functools.partial(join_capturing, streams) if streams else None
+        reserved = self.capturer.reserved()
         try:
             made = record_step(self.capturer, self.fn, probe, static, finish)
         except RuntimeError as exc:
@@ -584,6 +585,7 @@ class CapturedStep(Generic[P, R]):
             for _, module in self._fsdps:  # events recorded inside the failed capture
                 compat.fsdp2_forget_events(module)
             return self._eager(args, kwargs)
+        self.counts.pool_bytes += self.capturer.pool_bytes(reserved)
         rec = new_recording(self.capturer, current, probe, static, made, self._clone_outputs)
         del made
         self._add_recording(rec, current, again)
@@ -716,6 +718,7 @@ class CapturedStep(Generic[P, R]):
             slow_calls=c.slow_calls,
             agreed_calls=c.agreed_calls,
             overruled_calls=c.overruled_calls,
+            pool_bytes=c.pool_bytes,
         )
 
 
