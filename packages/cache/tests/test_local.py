@@ -195,3 +195,35 @@ def test_max_bytes_zero_stores_nothing_and_says_so_once(
 ) -> None:
     store = LocalStore(tmp_path, max_bytes=0)
     _assert_not_stored_with_one_warning(store, caplog, "size bound is 0")
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+from loom_cache import LocalStore
+store = LocalStore(sys.argv[1])
+tmp = store._write_tmp("ab" * 32 + ".entry", b"x" * (4 << 20))  # a writer's temporary
+print(tmp.name, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # killed before it published the entry
+"""
+
+
+def test_a_killed_writers_temporary_is_swept_by_the_next_put(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    store = LocalStore(tmp_path)
+    store.put(_entry(1))
+    child = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path)], capture_output=True, text=True
+    )
+    assert child.returncode == -9, child.stderr  # reaped: its pid is gone
+    orphan = tmp_path / "v1" / "tmp" / child.stdout.strip()
+    assert orphan.stat().st_size == 4 << 20  # fresh: minutes younger than any age limit
+    live = store._write_tmp("cd" * 32 + ".entry", b"y")  # this process's, still writing
+    store.put(_entry(2))
+    assert not orphan.exists()  # its writer's pid is gone from this host
+    assert live.exists()  # a live writer's temporary stays
+    old = time.time() - 600
+    os.utime(live, (old, old))
+    store.put(_entry(3))
+    assert not live.exists()  # older than a few minutes: evidently dead, whoever wrote it

@@ -4,7 +4,9 @@ Invariants:
 
 - Readers never see a partial entry: writes go to a temporary file created
   with ``O_EXCL | O_NOFOLLOW`` and are published with ``os.replace``; a crash
-  mid-write leaves only a temporary file that later sweeps remove.
+  mid-write leaves only a temporary file, which the next put's sweep removes once
+  its writer is evidently dead: its name carries the writer's host and pid, and
+  that pid is gone on this host, or it is older than five minutes.
 - Nothing inside the store is followed through a symlink: every directory
   below the root is checked with ``lstat`` before use, files are opened with
   ``O_NOFOLLOW``, eviction and ``clear`` open each shard with ``O_NOFOLLOW``
@@ -47,6 +49,7 @@ import json
 import logging
 import os
 import re
+import socket
 import stat
 import time
 import uuid
@@ -64,7 +67,11 @@ from loom_cache._store import EntryInfo, Lookup, PutResult, StoreStats
 log = logging.getLogger("torchloom.cache")
 
 LAYOUT: Final = "v1"
-_STALE_TMP_SECONDS: Final = 3600.0
+#: A temporary older than this is a dead writer's, whatever its name says (a write
+#: takes seconds; a live writer's pid may be on another host sharing the directory).
+_STALE_TMP_SECONDS: Final = 300.0
+#: This host, as temporaries' names carry it (with the writer's pid).
+_HOST: Final = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:32] or "host"
 _MAX_MISS_RECORDS: Final = 200
 _LOW_WATER: Final = 0.9
 _LOCK_TIMEOUT_S: Final = 10.0
@@ -380,7 +387,7 @@ class LocalStore:
         return PutResult(True, self.name, "stored")
 
     def _write_tmp(self, name: str, data: bytes) -> Path:
-        tmp = self._tmp / f"{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        tmp = self._tmp / _tmp_name(name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC | _BINARY
         fd = os.open(tmp, flags, self._file_mode)
         try:
@@ -672,7 +679,7 @@ class LocalStore:
                 log.debug("loom cache: the size ledger was not rebuilt: %s", exc)
 
     def _sweep_tmp(self) -> None:
-        """Remove temporaries that crashed writers left (the directory is ~empty)."""
+        """Remove temporaries that dead writers left (the directory is ~empty)."""
         now = time.time()
         with contextlib.suppress(OSError):
             for tmp in os.scandir(self._tmp):
@@ -681,9 +688,10 @@ class LocalStore:
                     if (
                         tmp.name.endswith(".tmp")
                         and stat.S_ISREG(st.st_mode)
-                        and now - st.st_mtime > _STALE_TMP_SECONDS
+                        and _writer_gone(tmp.name, now - st.st_mtime)
                     ):
                         os.unlink(tmp.path)
+                        log.debug("loom cache: removed %s, a dead writer's", tmp.path)
 
     # -- journals: counters and ledger deltas, appended without a lock --------
     def _counter_file(self, counter: str) -> Path:
@@ -811,7 +819,7 @@ class LocalStore:
         return data if isinstance(data, dict) else {}
 
     def _write_json(self, path: Path, value: dict[str, Any]) -> None:
-        tmp = self._tmp / f"{path.stem}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        tmp = self._tmp / _tmp_name(path.stem)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC | _BINARY
         fd = os.open(tmp, flags, self._file_mode)
         try:
@@ -843,6 +851,28 @@ class LocalStore:
             yield True
         finally:
             lock.release()
+
+
+def _tmp_name(name: str) -> str:
+    return f"{name}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex}.tmp"
+
+
+def _writer_gone(name: str, age_s: float) -> bool:
+    """Whether the temporary ``name`` (``_tmp_name``'s) was left by a dead writer: it
+    is older than :data:`_STALE_TMP_SECONDS`, or its pid is gone from this host."""
+    if age_s > _STALE_TMP_SECONDS:
+        return True
+    parts = name.rsplit(".", 3)
+    host, _, pid = parts[1].rpartition("-") if len(parts) == 4 else ("", "", "")
+    if host != _HOST or not (pid.isascii() and pid.isdigit()) or os.name != "posix":
+        return False  # NOTE: os.kill(pid, 0) ends the process on Windows
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's live process
+        return False
+    return False
 
 
 def _check_regular(path: Path) -> None:
