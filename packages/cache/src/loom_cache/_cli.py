@@ -132,7 +132,8 @@ def _inspect(local: LocalStore, tiered: TieredStore, args: argparse.Namespace) -
         if remote is None:
             print("remote     off")
         else:
-            state = "on" if tiered.remote is not None else "off (see docs/cache.md, Trust)"
+            off = tiered.remote_off or "not opened by this command"
+            state = "on" if tiered.remote is not None else f"off: {off}"
             print(
                 f"remote     {remote} ({state}, trust {config.remote_trust}, "
                 f"reads up to {config.remote_max_bytes} bytes)"

@@ -22,7 +22,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Final, Literal
-from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
+from urllib.parse import unquote, unquote_plus
 
 log = logging.getLogger("torchloom.cache")
 
@@ -45,6 +45,10 @@ _SIZE: Final = re.compile(r"\s*([0-9]+)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORE
 _SECONDS: Final = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*")
 #: Query parameters whose values never enter a message (``?password=...``, ``ssl_password``).
 _SECRET_PARAM: Final = re.compile(r"pass|secret|token|auth|cred|key", re.IGNORECASE)
+#: The shortest piece of a password that :func:`redact` hides on its own.
+_MIN_FRAGMENT: Final = 6
+#: Where the host ends for urllib and redis-py.
+_HOST_END: Final = re.compile(r"[/?#]")
 _NAMESPACE: Final = re.compile(r"[A-Za-z0-9_.\-]{0,64}")
 _MIN_KEY_BYTES: Final = 16
 
@@ -439,7 +443,7 @@ def _resolve(items: tuple[tuple[str, str | None], ...]) -> CacheConfig:
         remote_max_bytes=_remote_max_bytes(env.get("TORCHLOOM_REMOTE_CACHE_MAX_BYTES")),
         key_missing=key_missing,
     )
-    if url is not None and key_missing is None:
+    if url is not None and key_missing is None and url_problem(url) is None:
         if trust == "unsigned":
             log.warning(
                 "loom cache: TORCHLOOM_REMOTE_CACHE_TRUST=unsigned: the remote tier serves "
@@ -462,60 +466,139 @@ def timeout_from_env() -> float:
     return CacheConfig.from_env().remote_timeout_s
 
 
-def _split_userinfo(netloc: str) -> tuple[str | None, str]:
-    """``(userinfo or None, host part)``, split at the last ``@`` as urllib and
-    redis-py do (a raw ``@`` inside a password stays in the userinfo)."""
-    userinfo, at, host = netloc.rpartition("@")
-    return (userinfo if at else None), host
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Url:
+    """A URL cut where a password cannot move the cut: the user part is everything
+    between ``//`` and the *last* ``@`` (from the start when there is no ``//``)."""
+
+    head: str  #: up to and including ``//``
+    user: str | None  #: None: no ``@``
+    password: str | None  #: None: no ``:`` in the user part
+    rest: str  #: host, port, path, query
+    #: An ``@`` lies past the end of the host as urllib and redis-py find it (the first
+    #: ``/``, ``?`` or ``#``), other than in a secret query parameter's value
+    #: (``?password=p@ss``): a raw one of those in the password, or an ``@`` in the
+    #: path or query. Which part is the password cannot be told; the URL is unusable.
+    ambiguous: bool
+
+
+def _cut(url: str) -> _Url:
+    slashes = url.find("//")
+    start = slashes + 2 if slashes >= 0 else 0
+    at = url.rfind("@", start)
+    match = _HOST_END.search(url, start)
+    host_end = len(url) if match is None else match.start()
+    ambiguous = at > host_end
+    if ambiguous and _only_in_secret_values(url, host_end):
+        at, ambiguous = url.rfind("@", start, host_end), False  # as urllib cuts it
+    if at < 0:
+        return _Url(url[:start], None, None, url[start:], False)
+    user, colon, password = url[start:at].partition(":")
+    return _Url(url[:start], user, password if colon else None, url[at + 1 :], ambiguous)
+
+
+def _only_in_secret_values(url: str, host_end: int) -> bool:
+    """Whether every ``@`` past ``host_end`` lies in the value of a secret query
+    parameter (``?password=p@ss``, read as such by urllib and redis-py)."""
+    question = url.find("?", host_end)
+    if question < 0 or "#" in url[host_end:question]:
+        return False
+    inside: set[int] = set()
+    pos = question + 1
+    for item in url[question + 1 :].split("&"):
+        name, eq, value = item.partition("=")
+        if eq and _SECRET_PARAM.search(unquote_plus(name)):
+            first = pos + len(name) + 1
+            inside.update(range(first, first + len(value)))
+        pos += len(item) + 1
+    return all(i in inside for i in range(host_end, len(url)) if url[i] == "@")
+
+
+def _query_secrets(rest: str) -> tuple[str, list[str]]:
+    """``rest`` with the value of its first secret query parameter, and everything
+    after it, replaced by ``***``; and the values redis-py would read there."""
+    before, question, query = rest.partition("?")
+    if not question:
+        return rest, []
+    kept: list[str] = []
+    for item in query.split("&"):
+        name, eq, value = item.partition("=")
+        if eq and _SECRET_PARAM.search(unquote_plus(name)):
+            # NOTE: to the end: a raw '&' or '#' in the value cannot cut it short
+            tail = query[len("&".join([*kept, name])) + 1 :]
+            kept.append(f"{name}=***")
+            return f"{before}?{'&'.join(kept)}", [value, tail]
+        kept.append(item)
+    return rest, []
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be used safely (None: nothing this module sees). An ``@``
+    past the host's end is one: a raw ``/``, ``?`` or ``#`` in a password moves the
+    password out of the part every parser treats as the user part."""
+    cut = _cut(url)
+    if cut.ambiguous:
+        return (
+            "an '@' comes after the end of the host: a raw '/', '?' or '#' in the "
+            "password (or an '@' in the path or query) makes the URL ambiguous; "
+            "percent-encode them (%2F, %3F, %23, %40)"
+        )
+    if any(c in f"{cut.user}{cut.password}" for c in "[]"):
+        return (
+            "a raw '[' or ']' in the user name or password (urllib takes it for an IPv6 "
+            "address); percent-encode them (%5B, %5D)"
+        )
+    return None
 
 
 def _secrets(url: str) -> set[str]:
     """Every password ``url`` carries, as written and as redis-py decodes it."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return set()
+    cut = _cut(url)
     found: set[str] = set()
-    userinfo, _ = _split_userinfo(parts.netloc)
-    if userinfo is not None and ":" in userinfo:
-        password = userinfo.split(":", 1)[1]
-        found |= {password, unquote(password)}
-    for item in parts.query.split("&"):
-        name, eq, raw = item.partition("=")
-        if eq and _SECRET_PARAM.search(unquote_plus(name)):
-            found |= {raw, unquote(raw), unquote_plus(raw)}
-    return {s for s in found if s}
+    if cut.ambiguous:  # the whole user part, and a query as urllib would find it
+        found.add(url[len(cut.head) : len(url) - len(cut.rest) - 1])
+        found.update(_query_secrets(url[len(cut.head) :])[1])
+    if cut.password:
+        found.add(cut.password)
+    found.update(_query_secrets(cut.rest)[1])
+    return {form for s in found if s for form in (s, unquote(s), unquote_plus(s)) if form}
 
 
 def redact_url(url: str) -> str:
-    """``url`` with every password replaced by ``***``: the one in the userinfo (a raw
-    ``@`` inside it included) and query parameters such as ``?password=``; the
-    user name, host, port, path and other parameters stay.
+    """``url`` with every password replaced by ``***``: the user part's (everything
+    between ``//`` and the last ``@``, so no character of a password moves it out of
+    the part redacted) and a query parameter such as ``?password=`` (with the rest
+    of the query). The user name, host, port and path stay. An ambiguous URL (see
+    :func:`url_problem`) keeps only its scheme.
 
     >>> redact_url("redis://user:secret@host:6379/0")
     'redis://user:***@host:6379/0'
-    >>> redact_url("redis://host/0?password=secret&db=1")
-    'redis://host/0?password=***&db=1'
+    >>> redact_url("redis://u:Hash#Secret@host:6379/0")  # ambiguous
+    'redis://***'
+    >>> redact_url("redis://host/0?db=1&password=secret")
+    'redis://host/0?db=1&password=***'
     """
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<an unparsable URL>"
-    netloc = parts.netloc
-    userinfo, host = _split_userinfo(netloc)
-    if userinfo is not None and ":" in userinfo:
-        netloc = f"{userinfo.split(':', 1)[0]}:***@{host}"
-    query = "&".join(
-        f"{name}=***" if eq and _SECRET_PARAM.search(unquote_plus(name)) else item
-        for item in parts.query.split("&")
-        for name, eq, _ in [item.partition("=")]
-    )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    cut = _cut(url)
+    if cut.ambiguous:
+        return f"{cut.head}***"
+    user = ""
+    if cut.user is not None:
+        user = cut.user + (":***" if cut.password is not None else "") + "@"
+    return cut.head + user + _query_secrets(cut.rest)[0]
 
 
 def redact(text: str, url: str) -> str:
     """``text`` (say, an exception's message) with every password of ``url``, as
-    written or decoded, replaced by ``***``."""
-    for secret in sorted(_secrets(url), key=len, reverse=True):
+    written or decoded, and every run of :data:`_MIN_FRAGMENT` or more of its
+    characters, replaced by ``***``."""
+    secrets = sorted(_secrets(url), key=len, reverse=True)
+    for secret in secrets:
         text = text.replace(secret, "***")
+    # NOTE: a parser that cut the URL inside a password quotes a piece of it
+    for secret in secrets:
+        for size in range(len(secret) - 1, _MIN_FRAGMENT - 1, -1):
+            for start in range(len(secret) - size + 1):
+                piece = secret[start : start + size]
+                if piece in text:
+                    text = text.replace(piece, "***")
     return text

@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Final
 
-from loom_cache._config import CacheConfig, redact, redact_url
+from loom_cache._config import CacheConfig, CacheConfigError, redact, redact_url, url_problem
 from loom_cache._entry import (
     MAC_BYTES,
     Entry,
@@ -194,6 +194,9 @@ class RedisStore:
             raise StoreUnavailable(
                 "the remote cache needs the `redis` package (torchloom-cache[redis])"
             ) from exc
+        problem = url_problem(url)
+        if problem is not None:
+            raise CacheConfigError(f"the Redis URL {redact_url(url)} is unusable: {problem}")
         config = config if config is not None else CacheConfig.from_env()
         if timeout_s is not None:
             config = dataclasses.replace(config, remote_timeout_s=timeout_s)

@@ -58,6 +58,9 @@ class TieredStore:
         self._warned = False
         self._warned_writes = False
         self.remote_errors = 0
+        #: Why there is no remote tier although a URL is set (None: there is one, or
+        #: no URL); ``torchloom cache stats`` shows it.
+        self.remote_off: str | None = None
 
     def _remote_usable(self) -> bool:
         return self.remote is not None and time.monotonic() >= self._down_until
@@ -158,20 +161,35 @@ def open_default_store(config: CacheConfig | None = None) -> TieredStore:
 def open_store(config: CacheConfig | None = None, *, create: bool = True) -> TieredStore:
     """:func:`open_default_store`; ``create=False`` leaves a missing directory missing
     (``torchloom cache stats`` and the other read-only commands)."""
-    from loom_cache._config import redact, redact_url
+    config = config if config is not None else CacheConfig.from_env()
+    remote, off = _remote_tier(config)
+    store = TieredStore(LocalStore(config=config, create=create), remote)
+    store.remote_off = off
+    return store
+
+
+def _remote_tier(config: CacheConfig) -> tuple[Store | None, str | None]:
+    """The remote tier ``config`` describes, or None and why it is off (None: no URL).
+    An unusable URL warns here; an untrusted tier and a missing key file warned when
+    the configuration was resolved."""
+    from loom_cache._config import redact, redact_url, url_problem
     from loom_cache._redis import RedisStore
 
-    config = config if config is not None else CacheConfig.from_env()
-    remote: Store | None = None
     url = config.remote_url
-    trusted = config.signing or not config.remote_requires_signature
-    if url and trusted and config.key_missing is None:
-        try:
-            remote = RedisStore(url, config=config)
-        except (StoreUnavailable, ValueError, TypeError) as exc:
-            log.warning(
-                "loom cache: ignoring TORCHLOOM_REMOTE_CACHE=%s: %s",
-                redact_url(url),
-                redact(str(exc), url),
+    if not url:
+        return None, None
+    problem = url_problem(url)
+    if problem is None:
+        if config.key_missing is not None:
+            return None, f"fail closed: {config.key_missing}"
+        if config.remote_requires_signature and not config.signing:
+            return (
+                None,
+                "no cache key is set and it serves only signed entries (docs/cache.md, Trust)",
             )
-    return TieredStore(LocalStore(config=config, create=create), remote)
+        try:
+            return RedisStore(url, config=config), None
+        except (StoreUnavailable, ValueError, TypeError) as exc:
+            problem = redact(str(exc), url)
+    log.warning("loom cache: ignoring TORCHLOOM_REMOTE_CACHE=%s: %s", redact_url(url), problem)
+    return None, f"unusable URL: {problem}"
