@@ -14,6 +14,11 @@
 #   GPU_TIER=dist GPU_DIST_NPROC=4 GPU_DIST_RUNS=3 GPU_DIST_ARGS="--config fsdp2-cudagraphs" bash scripts/gpu_tier.sh
 #       # the distributed checks are not part of `all`: they need 2 or more GPUs. Each run
 #       # writes $OUT/dist-<ranks>-<run>.json; every run's verdict line is printed
+#   GPU_TIER=loops bash scripts/gpu_tier.sh  # the training-loop corpus on 2 ranks (scripts/dist_loops.py)
+#   GPU_TIER=loops GPU_LOOPS="ddp fsdp2-clip" GPU_LOOPS_NPROC=4 bash scripts/gpu_tier.sh
+#       # every loop against eager in lockstep ($OUT/loops-<ranks>.json), then each timed
+#       # loop alone in a fresh process for its step time and peak memory
+#       # ($OUT/loops-<ranks>-<loop>.json)
 #   GPU_TIER=scale GPU_SCALE_NPROC=4 GPU_SCALE_ARGS="--regimes compute" bash scripts/gpu_tier.sh
 #       # benchmarks/bench_scale.py (a 1B Llama under FSDP2) under torchrun on that many GPUs;
 #       # writes $OUT/scale-<ranks>.json and appends to benchmarks/results/scale.md. Not part
@@ -73,6 +78,30 @@ if [ "${GPU_TIER:-all}" = dist ]; then
     rc=$?
     grep -E "^verdict" "$OUT/dist-$nproc-$run.log" || tail -20 "$OUT/dist-$nproc-$run.log"
     [ "$rc" -eq 0 ] || { echo "!!! dist_check run $run exited with $rc"; status=1; }
+  done
+  echo "gpu tier finished with status $status"
+  exit $status
+fi
+
+if [ "${GPU_TIER:-all}" = loops ]; then
+  nproc=${GPU_LOOPS_NPROC:-2}
+  export TORCHLOOM_CACHE_DIR=${TORCHLOOM_CACHE_DIR:-$SITE/loom-cache}
+  run_loops() {  # as a user runs it: TORCHLOOM_CHECKS off
+    # shellcheck disable=SC2086
+    env -u TORCHLOOM_CHECKS timeout "${LOOPS_TIMEOUT:-400}" "$PY" -m torch.distributed.run \
+      --nproc-per-node "$nproc" scripts/dist_loops.py "$@" ${GPU_LOOPS_ARGS:-}
+  }
+  echo "=== training loops on $nproc ranks, in lockstep with eager"
+  # shellcheck disable=SC2086
+  run_loops --loop ${GPU_LOOPS:-all} --compare-only --json "$OUT/loops-$nproc.json" \
+    > "$OUT/loops-$nproc.log" 2>&1 || status=1
+  grep -E "^verdict" "$OUT/loops-$nproc.log" || tail -20 "$OUT/loops-$nproc.log"
+  for loop in ${GPU_LOOPS:-ddp ddp-loom fsdp2-clip fsdp2-loom}; do
+    case $loop in sgd-tensor-lr|float-lr|all) continue ;; esac
+    echo "=== $loop alone: step time and peak memory"
+    run_loops --loop "$loop" --timed-only --json "$OUT/loops-$nproc-$loop.json" \
+      > "$OUT/loops-$nproc-$loop.log" 2>&1 || status=1
+    grep -E "^verdict" "$OUT/loops-$nproc-$loop.log" || tail -20 "$OUT/loops-$nproc-$loop.log"
   done
   echo "gpu tier finished with status $status"
   exit $status

@@ -284,8 +284,9 @@ def _timed(name: str, args: argparse.Namespace, device: torch.device, capture: b
         trace.append((round((before - base) / mib, 1), round((call_peak - base) / mib, 1)))
     peak = max(p for _, p in trace) * mib
     reserved = torch.cuda.max_memory_reserved()
+    stats = fn.stats() if capture else None  # type: ignore[attr-defined]
     del loop, fn
-    return statistics.median(times), peak, reserved, trace
+    return statistics.median(times), peak, reserved, trace, stats
 
 
 def _live_tensors(loop: Loop, label: str) -> None:
@@ -346,8 +347,10 @@ def run_loop(name: str, args: argparse.Namespace, device: torch.device) -> dict[
         # NOTE: first, on a fresh allocator: objects of the lockstep comparison, freed
         # late, made the eager side's baseline read low (peak ratios of 1.25-1.30 that
         # measured 0.998-1.01 alone)
-        eager_ms, eager_peak, eager_res, eager_trace = _timed(name, args, device, capture=False)
-        cap_ms, cap_peak, cap_res, cap_trace = _timed(name, args, device, capture=True)
+        eager_ms, eager_peak, eager_res, eager_trace, _ = _timed(name, args, device, False)
+        cap_ms, cap_peak, cap_res, cap_trace, timed_stats = _timed(name, args, device, True)
+        out["timed_stats"] = timed_stats.format()
+        out["pool_mib"] = round(timed_stats.pool_bytes / 2**20, 1)
         out["memory_trace_mib"] = {"eager": eager_trace[:14], "captured": cap_trace[:14]}
         out.update(
             eager_ms=round(eager_ms, 3),
@@ -359,8 +362,13 @@ def run_loop(name: str, args: argparse.Namespace, device: torch.device) -> dict[
             reserved_mib=(round(eager_res / 2**20, 1), round(cap_res / 2**20, 1)),
         )
     cmp = (
-        {"first_step_over_bound": None, "recordings": 1, "replays": 10**6, "warmup_calls": 0}
-        if args.timed_only
+        {
+            "first_step_over_bound": None,
+            "recordings": timed_stats.recordings,
+            "replays": timed_stats.replays,
+            "warmup_calls": timed_stats.warmup_calls,
+        }
+        if args.timed_only and timed
         else _compare(name, args, device)
     )
     out.update(cmp)
@@ -373,7 +381,8 @@ def run_loop(name: str, args: argparse.Namespace, device: torch.device) -> dict[
     if name == "float-lr":
         out["verdict"] = "PASS" if equal else "FAIL"
         return out
-    captured = cmp["recordings"] >= 1 and cmp["replays"] >= args.steps - cmp["warmup_calls"] - 1
+    calls = args.time_steps + args.warm_steps if args.timed_only else args.steps
+    captured = cmp["recordings"] >= 1 and cmp["replays"] >= calls - cmp["warmup_calls"] - 1
     out["verdict"] = "PASS" if captured and equal else "FAIL"
     return out
 
