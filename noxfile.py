@@ -12,6 +12,10 @@ unit tests, the corpus programs and the smoke test on the newest release; ``smok
 ``tests_integration/test_release_smoke.py`` on each release in between.
 ``bench-default`` guards the default path against Inductor (a quick CPU run of
 ``benchmarks/bench_default.py --check``).
+
+Python versions: every session runs on 3.11 but ``py313``, which runs every
+package's unit tests and the integration corpus on CPython 3.13 (skipped, with one
+line, where no 3.13 is installed; ``.ci/run`` puts pyenv's on ``PATH``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = False
 
 PYTHON = ["3.11"]
+#: The newer CPython that CI runs the unit tests and the corpus on (issue 38).
+PYTHON_NEXT = "3.13"
 
 #: The newest torch release on the index (CI runs everything on it) and the ones
 #: between it and the locked 2.11 (CI runs the smoke test on them). Keep in step
@@ -183,6 +189,24 @@ def newest(session: nox.Session) -> None:
     corpus = ("tests_integration/test_corpus.py", "tests_integration/test_release_smoke.py")
     marks = ("-m", f"{MARKS[1]} and not inductor")
     session.run("pytest", *corpus, *marks, *PARALLEL, *session.posargs, env=_pytest_env(session))
+
+
+@nox.session(name="py313", python=PYTHON_NEXT)
+def py313(session: nox.Session) -> None:
+    """Every package's unit tests and the integration corpus's programs on CPython 3.13,
+    on the locked torch (it publishes cp313 wheels; ``uv.lock`` is universal).
+
+    As ``newest`` does, for CI's 30 minutes: the unit tests less the
+    ``fresh_processes`` ones, and ``test_corpus.py`` less its Inductor-marked half
+    (both run on 3.11). Where no 3.13 is installed nox skips this session with one
+    line (``error_on_missing_interpreters`` is off)."""
+    _sync(session, "--all-packages")
+    units = [f"packages/{folder}/tests" for folder in PACKAGES]
+    unit_marks = ("-m", f"{MARKS[1]} and not fresh_processes")
+    session.run("pytest", *units, *unit_marks, *PARALLEL, env=_pytest_env(session))
+    marks = ("-m", f"{MARKS[1]} and not inductor")
+    corpus = "tests_integration/test_corpus.py"
+    session.run("pytest", corpus, *marks, *PARALLEL, *session.posargs, env=_pytest_env(session))
 
 
 @nox.session(python=PYTHON)

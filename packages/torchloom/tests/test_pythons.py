@@ -1,7 +1,8 @@
-"""``backend="loom"`` on a Python whose bytecode the hook tracer does not know (issue
-38): importing never fails, graphs without hooks compile, saved-tensor hooks are
-refused with ``unsupported_python`` and run eagerly with eager's gradients, and only
-``strict=True`` raises.
+"""``backend="loom"`` on every Python (issue 38): the issue's example with fp8
+saved-tensor hooks on the running one; and on a Python whose bytecode the hook
+tracer does not know, importing never fails, graphs without hooks compile,
+saved-tensor hooks are refused with ``unsupported_python`` and run eagerly with
+eager's gradients, and only ``strict=True`` raises.
 
 The unknown Python is simulated in a child process: the tracer's ``_pyversion`` is
 loaded under a fake ``sys.version_info`` (3.15), and the hook's first opcode is
@@ -15,6 +16,12 @@ import subprocess
 import sys
 import textwrap
 from typing import Any
+
+import torch
+
+import torchloom
+
+OPTS: dict[str, Any] = {"codegen": "eager", "cache": False}
 
 _SCRIPT = textwrap.dedent(
     """
@@ -100,3 +107,52 @@ def test_an_unknown_python_compiles_graphs_and_refuses_hooks_unless_strict() -> 
     assert "unsupported_python" in message and "CPython 3.15" in message
     assert f"first opcode unknown to the tracer is {got['renamed']}" in message
     assert got["strict"] is not None and "unsupported_python" in got["strict"]
+
+
+FP8_MAX = 448.0
+
+
+def fp8_pack(t: torch.Tensor) -> Any:
+    scale = t.abs().amax().float().clamp(min=1e-12) / FP8_MAX
+    return (t.dtype, (t / scale).to(torch.float8_e4m3fn), scale)
+
+
+def fp8_unpack(p: Any) -> torch.Tensor:
+    dtype, q, scale = p
+    return (q.to(torch.float32) * scale).to(dtype)
+
+
+def _issue_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def _fp8_step(fn: Any, model: torch.nn.Module) -> list[torch.Tensor]:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(fp8_pack, fp8_unpack):
+        out = fn(x)
+    out.square().sum().backward()
+    assert x.grad is not None
+    return [out.detach(), x.grad, *(p.grad for p in model.parameters() if p.grad is not None)]
+
+
+def test_the_issue_example_compiles_and_places_fp8_hooks_on_this_python() -> None:
+    """Issue 38's example on the running Python (CI runs it on 3.11 and 3.13): it
+    compiles, and with an fp8 ``saved_tensors_hooks`` pair the hooks are placed in the
+    graphs with eager's outputs and gradients."""
+    torchloom.reset()
+    model = _issue_model()
+    compiled = torch.compile(model, backend="loom", options=OPTS)
+    x = torch.randn(8, 16)
+    torch.testing.assert_close(compiled(x), model(x))
+
+    torchloom.reset()
+    model = _issue_model()
+    got = _fp8_step(torch.compile(model, backend="loom", options=OPTS), model)
+    eager = _issue_model()
+    want = _fp8_step(eager, eager)
+    placed = [e for e in torchloom.report().entries("hooks") if e.kind == "placed"]
+    assert placed and placed[0].get("packed"), torchloom.report().format()
+    assert len(got) == len(want) == 6
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
