@@ -106,8 +106,12 @@ def variants(args: argparse.Namespace) -> dict[str, tuple[Callable[[nn.Module], 
     def plain(m: nn.Module) -> None:
         return None
 
+    # the like-for-like reference of loom-cg: Inductor with its CUDA graphs (aot_eager
+    # in the CPU smoke run, where Inductor's first compile costs tens of seconds)
+    ref = {"backend": "aot_eager"} if args.smoke else {"mode": "reduce-overhead"}
     return {
         "eager": (plain, False),
+        "inductor-cg": (lambda m: m.compile(**ref), False),
         "loom-cg": (lambda m: m.compile(backend="loom", **cg), False),
         "capture-step": (plain, True),
         "capture-step+loom": (lambda m: m.compile(backend="loom", **loom), True),
