@@ -161,3 +161,32 @@ def test_cudagraphs_load_the_planner_and_runtime(tmp_path: Path) -> None:
         "loom_cudagraph._plan",
         "loom_cudagraph._runtime",
     ]
+
+
+def test_torch_compile_imports_inductors_runtime_on_cuda_machines_as_inductor_does() -> None:
+    """``torch.compile(backend="inductor")`` imports Inductor's runtime (what its
+    generated modules import) at ``torch.compile()``; loom does the same where it is
+    looked up on a machine with CUDA and Inductor codegen, so that a warm start does not
+    pay it inside its first call. Without CUDA, or with eager codegen, it does not."""
+    code = textwrap.dedent(
+        """
+        import json, os, sys, torch
+        RUNTIME = "torch._inductor.select_algorithm"
+        torch.compile(lambda x: x + 1, backend="loom")  # the lookup: this machine has no CUDA
+        out = {"cpu": RUNTIME in sys.modules}
+        from torchloom._backend import import_codegen_runtime
+        torch.cuda.is_available = lambda: True
+        os.environ["TORCHLOOM_CODEGEN"] = "eager"
+        out["cuda_eager"] = [import_codegen_runtime(), RUNTIME in sys.modules]
+        del os.environ["TORCHLOOM_CODEGEN"]
+        out["cuda_inductor"] = [import_codegen_runtime(), RUNTIME in sys.modules]
+        print(json.dumps(out))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHLOOM_CODEGEN"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"cpu": False, "cuda_eager": [False, False], "cuda_inductor": [True, True]}

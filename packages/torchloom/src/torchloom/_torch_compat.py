@@ -52,6 +52,7 @@ __all__ = [
     "fake_outputs_of",
     "fakify_first_call",
     "graph_output_strides",
+    "import_inductor_runtime",
     "inductor_compile_backward",
     "inductor_compile_forward",
     "inductor_compile_inner",
@@ -177,6 +178,19 @@ def warm_compile_workers(example_inputs: Sequence[Any]) -> None:
         from torch._inductor.async_compile import AsyncCompile
 
         AsyncCompile.wakeup()
+
+
+def import_inductor_runtime() -> None:
+    """Import what every module Inductor generates imports when it loads:
+    ``select_algorithm`` (its ``extern_kernels``), and through it Inductor's lowering,
+    kernel templates and, on GPU, Triton's codegen.
+
+    ``torch.compile(backend="inductor")`` imports all of it at ``torch.compile()``
+    (Dynamo calls ``get_compiler_config()``, which imports ``compile_fx``); any other
+    backend is only looked up there, and the first generated module's load imports it,
+    inside the first call.
+    """
+    import torch._inductor.select_algorithm  # noqa: F401
 
 
 def inductor_compile_inner(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
