@@ -194,7 +194,7 @@ def test_disk_full_at_the_entry_is_not_stored_and_worded_as_disk_full(
     store = LocalStore(tmp_path)
     real = LocalStore._write_tmp
 
-    def full(self: LocalStore, name: str, data: bytes) -> Path:
+    def full(self: LocalStore, name: str, *parts: bytes) -> Path:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(LocalStore, "_write_tmp", full)

@@ -277,7 +277,7 @@ def test_a_server_announcing_a_2gb_value_costs_neither_memory_nor_the_deadline(
 ) -> None:
     server = fake_server(_huge_value_server(2 << 30))
     grown, outcome = _lookup_in_child(server.url, _key(1).digest, timeout_s=30.0, limit=128 << 20)
-    # Ended by the byte budget of the first read (4 MiB asked for), long before a
+    # Ended by the byte budget of the first read (1 MiB asked for), long before a
     # 30 s deadline, and before the 128 MiB read limit: the RSS growth bound.
     assert outcome.startswith("unavailable") and "more than" in outcome, outcome
     assert grown < 64 << 20, f"the lookup grew RSS by {grown >> 20} MiB"

@@ -139,3 +139,26 @@ def test_a_full_redis_refuses_writes_and_still_serves_its_entries(
         found = store.lookup(_entry(7).digest)  # not in the local tier: only Redis has it
         assert found.hit and found.tier == "redis", found.reason
         assert store.local.lookup(_entry(7).digest).hit  # and it was promoted
+
+
+def test_a_large_remote_hit_and_its_promotion_cost_about_its_size_once(
+    tmp_path: Path, redis_server: object
+) -> None:
+    import tracemalloc
+
+    url = redis_server.url  # type: ignore[attr-defined]
+    size = 24 << 20  # several GETRANGE chunks
+    config = CacheConfig(keys=(b"fleet-key-0123456789abcdef",), remote_max_bytes=64 << 20)
+    digest = _entry(9).digest
+    assert RedisStore(url, config=config).put(Entry(_entry(9).key, b"\x17" * size)).stored
+    store = TieredStore(LocalStore(tmp_path, config=config), RedisStore(url, config=config))
+    tracemalloc.start()
+    try:
+        found = store.lookup(digest)  # read from Redis, verified, promoted to the local tier
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert found.hit and found.tier == "redis" and len(found.entry.payload) == size  # type: ignore[union-attr]
+    assert store.local.lookup(digest).hit
+    # The payload once, and redis-py's buffers for one 1 MiB GETRANGE reply; it was 3x.
+    assert peak < 1.5 * size, f"a remote hit with its promotion peaked at {peak / size:.2f}x"

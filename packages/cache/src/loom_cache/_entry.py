@@ -9,6 +9,10 @@ version-mismatched entry is reported as :class:`EntryError` with a reason,
 never returned. The signature is checked before anything else of the entry is
 used: the payload (a pickle, for the umbrella) of an entry that fails it is
 never handed out.
+
+A payload is ``bytes``, or the ``bytearray`` a remote read filled in place:
+entries are encoded as parts (head, payload, trailer) so a large payload is
+hashed, signed and written without a copy.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class Entry:
     """A key, the artifact bytes stored under it, and free-form metadata."""
 
     key: CacheKey
-    payload: bytes
+    payload: bytes | bytearray
     meta: tuple[tuple[str, str], ...] = ()
     created: float = field(default_factory=time.time)
 
@@ -47,8 +51,12 @@ class Entry:
         return self.key.digest
 
 
-def encode_entry(entry: Entry, *, key: bytes | None = None, namespace: str = "") -> bytes:
-    """The entry's bytes; signed with ``key`` (HMAC-SHA256) when one is given."""
+def encode_parts(
+    entry: Entry, *, key: bytes | None = None, namespace: str = ""
+) -> tuple[bytes, bytes]:
+    """The entry's head (magic, length, header) and trailer (the HMAC-SHA256 with
+    ``key``, or nothing): the encoded entry is head + ``entry.payload`` + trailer,
+    computed without copying the payload."""
     header = {
         "format": FORMAT_VERSION,
         "digest": entry.key.digest,
@@ -61,10 +69,18 @@ def encode_entry(entry: Entry, *, key: bytes | None = None, namespace: str = "")
         "signed_by": key_id(key) if key is not None else None,
     }
     raw = json.dumps(header, sort_keys=True).encode()
-    body = MAGIC + len(raw).to_bytes(_HEADER_LEN_BYTES, "little") + raw + entry.payload
+    head = MAGIC + len(raw).to_bytes(_HEADER_LEN_BYTES, "little") + raw
     if key is None:
-        return body
-    return body + hmac.new(key, body, hashlib.sha256).digest()
+        return head, b""
+    mac = hmac.new(key, head, hashlib.sha256)
+    mac.update(entry.payload)
+    return head, mac.digest()
+
+
+def encode_entry(entry: Entry, *, key: bytes | None = None, namespace: str = "") -> bytes:
+    """The entry's bytes; signed with ``key`` (HMAC-SHA256) when one is given."""
+    head, trailer = encode_parts(entry, key=key, namespace=namespace)
+    return b"".join((head, entry.payload, trailer))
 
 
 def decode_header(data: bytes | bytearray) -> tuple[dict[str, Any], int]:
@@ -91,14 +107,15 @@ def decode_header(data: bytes | bytearray) -> tuple[dict[str, Any], int]:
     return header, start + length
 
 
-def verify_signature(
-    data: bytes | bytearray,
+def _verify(
+    head: bytes | bytearray | memoryview,
+    payload: bytes | bytearray | memoryview,
+    trailer: bytes | bytearray | memoryview,
     header: dict[str, Any],
-    offset: int,
     keys: tuple[bytes, ...],
     required: bool,
-) -> tuple[bytes, bool]:
-    """The payload of ``data`` once its signature checks out, and whether it was signed.
+) -> bool:
+    """Whether the entry's signature was verified; raises when it must be and is not.
 
     ``required``: an unsigned entry is refused. A signed entry is verified with the
     key it names among ``keys`` (current and previous); an entry signed with a key
@@ -107,29 +124,22 @@ def verify_signature(
     size = header.get("payload_bytes")
     if not isinstance(size, int) or size < 0:
         raise EntryError("corrupt header: no payload length")
-    trailer = MAC_BYTES if signed_by is not None else 0
-    if len(data) != offset + size + trailer:
-        raise EntryError(f"truncated payload: {len(data) - offset - trailer} of {size} bytes")
+    if len(payload) != size or len(trailer) != (MAC_BYTES if signed_by is not None else 0):
+        raise EntryError(f"truncated payload: {len(payload)} of {size} bytes")
     if signed_by is None:
         if required:
             raise EntryError("unsigned entry refused (entries must be signed with the cache key)")
-        return _copy(data, offset, len(data)), False
+        return False
     key = next((k for k in keys if key_id(k) == signed_by), None)
     if key is None:
         if required:
             raise EntryError(f"signed with key {signed_by!r}, which this reader does not hold")
-        return _copy(data, offset, offset + size), False
-    with memoryview(data) as view:  # NOTE: no copy of a large entry for its MAC
-        mac = hmac.new(key, view[: offset + size], hashlib.sha256).digest()
-        if not hmac.compare_digest(mac, bytes(view[offset + size :])):
-            raise EntryError("signature mismatch (a forged or altered entry)")
-        return bytes(view[offset : offset + size]), True
-
-
-def _copy(data: bytes | bytearray, start: int, end: int) -> bytes:
-    """``data[start:end]`` as bytes, copied once."""
-    with memoryview(data) as view:
-        return bytes(view[start:end])
+        return False
+    mac = hmac.new(key, head, hashlib.sha256)
+    mac.update(payload)
+    if not hmac.compare_digest(mac.digest(), bytes(trailer)):
+        raise EntryError("signature mismatch (a forged or altered entry)")
+    return True
 
 
 def decode_entry(
@@ -154,7 +164,46 @@ def decode_checked(
 ) -> tuple[Entry, bool]:
     """:func:`decode_entry`, and whether its signature was verified."""
     header, offset = decode_header(data)
-    payload, verified = verify_signature(data, header, offset, keys, require_signature)
+    size = header.get("payload_bytes")
+    if not isinstance(size, int) or size < 0:
+        raise EntryError("corrupt header: no payload length")
+    trailer = MAC_BYTES if header.get("signed_by") is not None else 0
+    if len(data) != offset + size + trailer:
+        raise EntryError(f"truncated payload: {len(data) - offset - trailer} of {size} bytes")
+    end = offset + size
+    with memoryview(data) as view:  # NOTE: no copy of a large entry for its MAC
+        verified = _verify(
+            view[:offset], view[offset:end], view[end:], header, keys, require_signature
+        )
+        payload = bytes(view[offset:end])
+    return _checked(header, payload, expected_digest, namespace), verified
+
+
+def decode_parts(
+    head: bytes | bytearray,
+    payload: bytes | bytearray,
+    trailer: bytes | bytearray,
+    expected_digest: str | None,
+    keys: tuple[bytes, ...],
+    require_signature: bool,
+    namespace: str | None,
+) -> tuple[Entry, bool]:
+    """:func:`decode_checked` of ``head + payload + trailer``, kept apart: a reader that
+    filled the payload's own buffer hands it over, and the entry holds it uncopied."""
+    header, offset = decode_header(head)
+    if offset != len(head):
+        raise EntryError("corrupt entry: bytes between the header and the payload")
+    verified = _verify(head, payload, trailer, header, keys, require_signature)
+    return _checked(header, payload, expected_digest, namespace), verified
+
+
+def _checked(
+    header: dict[str, Any],
+    payload: bytes | bytearray,
+    expected_digest: str | None,
+    namespace: str | None,
+) -> Entry:
+    """The entry, once everything but its signature (already checked) is checked."""
     if namespace is not None and header.get("namespace", "") != namespace:
         raise EntryError(f"entry of namespace {header.get('namespace')!r}, not {namespace!r}")
     if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
@@ -169,4 +218,4 @@ def decode_checked(
         raise EntryError("key digest does not match its components (corrupted entry)")
     if expected_digest is not None and key.digest != expected_digest:
         raise EntryError(f"entry holds key {key.digest[:12]}, not {expected_digest[:12]}")
-    return Entry(key, payload, meta, created), verified
+    return Entry(key, payload, meta, created)

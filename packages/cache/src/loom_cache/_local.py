@@ -60,7 +60,7 @@ from typing import Any, Final
 import filelock
 
 from loom_cache._config import CacheConfig
-from loom_cache._entry import MAGIC, Entry, EntryError, decode_checked, decode_header, encode_entry
+from loom_cache._entry import MAGIC, Entry, EntryError, decode_checked, decode_header, encode_parts
 from loom_cache._key import CacheKey
 from loom_cache._store import EntryInfo, Lookup, PutResult, StoreStats
 
@@ -347,10 +347,12 @@ class LocalStore:
         if self.max_bytes == 0:
             return self._not_stored("the size bound is 0 (TORCHLOOM_CACHE_MAX_BYTES=0)")
         key = self.config.keys[0] if self.config.keys else None
-        data = encode_entry(entry, key=key, namespace=self.config.namespace)
-        if len(data) > self.max_bytes:
+        # NOTE: written as parts: a large payload is never copied into one buffer
+        head, trailer = encode_parts(entry, key=key, namespace=self.config.namespace)
+        size = len(head) + len(entry.payload) + len(trailer)
+        if size > self.max_bytes:
             return PutResult(
-                False, self.name, f"entry of {len(data)} bytes exceeds the bound {self.max_bytes}"
+                False, self.name, f"entry of {size} bytes exceeds the bound {self.max_bytes}"
             )
         path = self.path_of(entry.digest)
         try:
@@ -363,7 +365,7 @@ class LocalStore:
             return self._not_stored(self._describe(exc))
         try:
             self._ensure_dir(path.parent)
-            tmp = self._write_tmp(path.name, data)
+            tmp = self._write_tmp(path.name, head, entry.payload, trailer)
             try:
                 old = _regular_size(path)
                 os.replace(tmp, path)
@@ -373,7 +375,7 @@ class LocalStore:
         except OSError as exc:
             return self._not_stored(self._describe(exc))
         try:
-            self._append(self._journal, f"{len(data) - old}\n".encode())
+            self._append(self._journal, f"{size - old}\n".encode())
             self._index_append(entry)
             self._maintain()
         except OSError as exc:
@@ -386,7 +388,7 @@ class LocalStore:
             return PutResult(True, self.name, f"stored (bookkeeping skipped: {reason})")
         return PutResult(True, self.name, "stored")
 
-    def _write_tmp(self, name: str, data: bytes) -> Path:
+    def _write_tmp(self, name: str, *parts: bytes | bytearray) -> Path:
         tmp = self._tmp / _tmp_name(name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC | _BINARY
         fd = os.open(tmp, flags, self._file_mode)
@@ -394,7 +396,8 @@ class LocalStore:
             if self._shared and hasattr(os, "fchmod"):
                 os.fchmod(fd, self._file_mode)  # past the umask
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                for part in parts:
+                    f.write(part)
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:
