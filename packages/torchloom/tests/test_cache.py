@@ -470,3 +470,20 @@ def test_inductor_compile_workers_wake_on_a_hit_as_on_a_cold_compile(
     # eager codegen has no compile workers to wake
     _step(EAGER)
     assert len(woken) == 2
+
+
+def test_cache_list_labels_a_module_program_by_its_class(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from torchloom._cli import main
+
+    _step(EAGER)  # torch.nn.Sequential: no frame of user code in its graph
+
+    def user_fn(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() + 1
+
+    torch.compile(user_fn, backend="loom", options=EAGER)(torch.ones(3))
+    capsys.readouterr()
+    assert main(["cache", "list"]) == 0
+    labels = sorted(line.split()[-1] for line in capsys.readouterr().out.splitlines())
+    assert labels == ["test_cache.py:user_fn", "torch.nn.modules.container:Sequential.forward"]

@@ -95,3 +95,22 @@ def test_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=600) == 141
     assert "Traceback" not in err and "BrokenPipe" not in err and err == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["demo", "--help"],
+        ["cache", "--help"],
+        *[["cache", sub, "--help"] for sub in ("stats", "list", "show", "explain", "clear")],
+    ],
+)
+def test_help_is_plain_text_without_rst_markup(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert err.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage:" in out and "``" not in out and ":func:" not in out, out

@@ -17,7 +17,10 @@ from loom_cache._tiered import TieredStore, open_store
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchloom cache", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="torchloom cache",
+        description="Look inside loom's compile cache: stats, list, show, explain, clear.",
+    )
     p.add_argument(
         "--dir", help="cache directory (default: TORCHLOOM_CACHE_DIR or ~/.cache/torchloom)"
     )

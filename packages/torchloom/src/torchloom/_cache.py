@@ -145,11 +145,21 @@ def loom_source_hash(modules: tuple[str, ...] = _LOOM_MODULES) -> str:
 
 
 def _program(gm: GraphModule) -> str:
-    """``file:function`` of the user code the graph came from (explanations only)."""
+    """What the graph was compiled from (explanations and ``torchloom cache list``
+    only; not in the key's digest): ``file:function`` of the user code, else, for a
+    module whose code is all torch's (``nn.Sequential`` of torch layers: its nodes
+    carry no user frame), ``module:Class.forward`` of the outermost module."""
     for node in gm.graph.nodes:
         frame = user_frame(node.meta.get("stack_trace"))
         if frame is not None:
             return f"{os.path.basename(frame.file)}:{frame.function}"
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            _, cls = next(iter(stack.values()))  # outermost first
+            if isinstance(cls, type):
+                return f"{cls.__module__}:{cls.__qualname__}.forward"
+            return f"{cls}.forward"
     return "graph"
 
 

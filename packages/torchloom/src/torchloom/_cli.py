@@ -21,6 +21,15 @@ from torchloom._distributions import LOOM_DISTRIBUTIONS
 
 __all__ = ["main"]
 
+#: What ``torchloom --help`` says (plain text: the docstring above is for readers of
+#: the source, and its RST markup would show as is).
+_USAGE = """\
+commands:
+  torchloom demo [--device cpu|cuda] [--iters N] [--no-inductor] [--report]
+  torchloom cache ...    loom's compile cache: stats, list, show, explain, clear
+  torchloom --version
+"""
+
 
 def _demo(args: argparse.Namespace) -> int:
     from rich.console import Console
@@ -86,7 +95,10 @@ def _version() -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="torchloom", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="torchloom",
+        description="The torchloom command line: the loom backend's demo and its compile cache.",
+        epilog=_USAGE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
