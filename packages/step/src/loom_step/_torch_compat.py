@@ -179,8 +179,14 @@ def memory_tensors(t: torch.Tensor) -> list[tuple[tuple[str, ...], torch.Tensor]
     if t.__class__ in _PLAIN or not _is_wrapper_subclass(t):
         return [((), t)]
     names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    # NOTE: the tensors among the names only: torch 2.15's DTensor names its device mesh
+    # (an opaque object) beside its local tensor
+    inners = [(name, getattr(t, name)) for name in names]
     return [
-        ((name, *path), inner) for name in names for path, inner in memory_tensors(getattr(t, name))
+        ((name, *path), leaf)
+        for name, inner in inners
+        if isinstance(inner, torch.Tensor)
+        for path, leaf in memory_tensors(inner)
     ]
 
 
