@@ -17,17 +17,11 @@ import json
 import os
 import sys
 import traceback
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from dist_configs.loops import LOOP_DEFAULTS, LOOPS, run_loop, trace_raises
-
-
-def _gather(value: Any) -> list[Any]:
-    got: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(got, value)
-    return got
+from fsdp2_check import _gather, _short_error
 
 
 def main() -> int:
@@ -72,7 +66,7 @@ def main() -> int:
             result, error = run_loop(name, args, device), None
         except Exception as exc:
             traceback.print_exc()
-            result, error = {}, f"{type(exc).__name__}: {str(exc)[:400]}"
+            result, error = {}, _short_error(exc)
         errors = _gather(error)
         verdicts = _gather(result.get("verdict"))
         if any(errors):
