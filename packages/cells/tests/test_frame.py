@@ -4,6 +4,7 @@ real and compares the closures' cells."""
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -68,7 +69,7 @@ def test_three_deep_nonlocal_write_matches_cpython() -> None:
     traced = make_three_deep()
     se = SideEffects()
     cells = CellModel(se)
-    root = FrameCells.for_hook(cells, traced)  # type: ignore[arg-type]
+    root = FrameCells.for_hook(cells, traced)
     root.make_cell("t", Original(ArgSource(0)))  # MAKE_CELL on the argument
     mid_code = code_of(traced, "mid")
     root.make_function(mid_code)
@@ -87,7 +88,7 @@ def test_three_deep_nonlocal_write_matches_cpython() -> None:
     assert [g.kind for g in guards] == [GuardKind.EQUALS, GuardKind.IDENTITY]
     assert len(plan.new_objects) == 0, "the functions and the cell for t do not escape"
     replayed, real = make_three_deep(), make_three_deep()
-    roots = Roots.of(replayed, ("T",))  # type: ignore[arg-type]
+    roots = Roots.of(replayed, ("T",))
     assert not compile_guards(guards)(roots), "identity guard on another instance's list"
     assert plan.apply(roots) == (real("T"),)
     assert cells_of(replayed) == cells_of(real)
@@ -123,7 +124,7 @@ def test_name_shadowing_between_nested_locals_and_the_outer_cell() -> None:
     hook = make_shadowing()
     se = SideEffects()
     cells = CellModel(se)
-    root = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
+    root = FrameCells.for_hook(cells, hook)
     local_code = code_of(hook, "shadow_local")
     local_frame = FrameCells(cells, local_code, root.closure_for(local_code))
     with pytest.raises(CellRefused) as info:
@@ -148,7 +149,7 @@ def test_name_shadowing_between_nested_locals_and_the_outer_cell() -> None:
         "  return 106",
     ]
     replayed, real = make_shadowing(), make_shadowing()
-    assert plan.apply(Roots.of(replayed, ())) == (real(),)  # type: ignore[arg-type]
+    assert plan.apply(Roots.of(replayed, ())) == (real(),)
     assert cells_of(replayed) == cells_of(real) == {"x": 106}
 
 
@@ -169,13 +170,13 @@ def test_a_write_replayed_for_one_hook_is_seen_by_the_other() -> None:
     bump, _read = make_shared()
     se = SideEffects()
     cells = CellModel(se)
-    frame = FrameCells.for_hook(cells, bump)  # type: ignore[arg-type]
+    frame = FrameCells.for_hook(cells, bump)
     frame.store("shared", concrete(frame.load("shared")) * 10)
     plan = se.build()
     check = compile_guards(cells.guards())
 
     bump2, read2 = make_shared()
-    roots = Roots.of(bump2, ())  # type: ignore[arg-type]
+    roots = Roots.of(bump2, ())
     assert check(roots)
     plan.apply(roots)
     assert read2() == 10
@@ -223,14 +224,14 @@ def test_storing_into_an_empty_preexisting_cell_then_reading_it() -> None:
     hook = make_late()
     se = SideEffects()
     cells = CellModel(se)
-    frame = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
+    frame = FrameCells.for_hook(cells, hook)
     assert se.load_cell(frame.cell("value").ref) is Missing.ABSENT
     frame.store("value", "set")
     assert frame.load("value") == "set"
     assert cells.guards() == ()
     replayed = make_late()
     plan = se.build()
-    plan.apply(Roots.of(replayed, ()))  # type: ignore[arg-type]
+    plan.apply(Roots.of(replayed, ()))
     assert replayed()() == "set"
 
 
@@ -253,7 +254,7 @@ def test_a_nested_function_returned_by_the_hook_is_materialized_with_shared_cell
     hook = make()
     se = SideEffects()
     cells = CellModel(se)
-    root = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
+    root = FrameCells.for_hook(cells, hook)
     root.make_cell("step")
     root.store("step", 2)
     fn = root.make_function(code_of(hook, "next_value"))
@@ -261,7 +262,7 @@ def test_a_nested_function_returned_by_the_hook_is_materialized_with_shared_cell
     assert "n0 = new cell(2)" in plan.describe()
 
     replayed, real = make(), make()
-    (made,) = plan.apply(Roots.of(replayed, ()))  # type: ignore[arg-type]
+    (made,) = plan.apply(Roots.of(replayed, ()))
     expected = real()
     assert (made(), made()) == (expected(), expected()) == (12, 14)
     assert cells_of(replayed) == cells_of(real)
@@ -297,7 +298,7 @@ def test_guard_policy_chooses_how_reads_are_guarded() -> None:
         return GuardKind.TYPE if isinstance(value, FakeTensor) else GuardKind.EQUALS
 
     cells = CellModel(SideEffects(), guard_policy=policy)
-    frame = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
+    frame = FrameCells.for_hook(cells, hook)
     frame.load("weights")
     frame.load("scale")
     frame.load("scale")
@@ -306,7 +307,7 @@ def test_guard_policy_chooses_how_reads_are_guarded() -> None:
         f"type(closure[1:weights].cell_contents) is {FakeTensor.__module__}.{FakeTensor.__qualname__}",
         "closure[0:scale].cell_contents == 2.5",
     ]
-    assert compile_guards(cells.guards())(Roots.of(hook, ()))  # type: ignore[arg-type]
+    assert compile_guards(cells.guards())(Roots.of(hook, ()))
 
 
 def make_caller() -> Callable[[], int]:
@@ -330,7 +331,7 @@ def test_calling_a_function_the_trace_created_shares_its_cells() -> None:
     hook = make_caller()
     se = SideEffects()
     cells = CellModel(se)
-    root = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
+    root = FrameCells.for_hook(cells, hook)
     root.make_cell("step")
     root.store("step", 3)
     add = root.make_function(code_of(hook, "add"))
@@ -341,9 +342,9 @@ def test_calling_a_function_the_trace_created_shares_its_cells() -> None:
     plan = se.build((root.load("total"),))
     assert cells.guards() == ()
     replayed, real = make_caller(), make_caller()
-    assert plan.apply(Roots.of(replayed, ())) == (real(),)  # type: ignore[arg-type]
+    assert plan.apply(Roots.of(replayed, ())) == (real(),)
     assert cells_of(replayed) == cells_of(real) == {"total": 6}
-    assert plan.apply(Roots.of(replayed, ())) == (real(),)  # type: ignore[arg-type]
+    assert plan.apply(Roots.of(replayed, ())) == (real(),)
 
 
 def test_a_value_staged_in_a_made_cell_is_read_by_the_nested_function_capturing_it() -> None:
@@ -367,3 +368,11 @@ def test_a_value_staged_in_a_made_cell_is_read_by_the_nested_function_capturing_
     inner = FrameCells(cells, inner_code, frame.closure_for(inner_code))
     assert inner.load("x") is staged
     assert cells.guards() == () and se.build().is_empty
+
+
+def test_for_hook_refuses_what_is_not_a_python_function() -> None:
+    cells = CellModel(SideEffects())
+    with pytest.raises(
+        TypeError, match=r"FrameCells\.for_hook: .*functools\.partial.*def or lambda"
+    ):
+        FrameCells.for_hook(cells, functools.partial(print))

@@ -53,13 +53,13 @@ def test_nonlocal_counter_write_is_replayed_through_cell_contents() -> None:
     hook = make_counter()
     se = SideEffects()
     cells = CellModel(se)
-    frame = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
+    frame = FrameCells.for_hook(cells, hook)
     assert concrete(frame.load("count")) == 0
     frame.store("count", 1)
     plan, guards = se.build(), cells.guards()
 
     assert [g.describe() for g in guards] == ["closure[0:count].cell_contents == 0"]
-    roots = Roots.of(hook, ())  # type: ignore[arg-type]
+    roots = Roots.of(hook, ())
     check = compile_guards(guards)
     assert check(roots)
     plan.apply(roots)
@@ -100,7 +100,7 @@ def test_read_of_an_object_guards_identity_and_of_a_constant_guards_value() -> N
 
     se = SideEffects()
     cells = CellModel(se)
-    frame = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
+    frame = FrameCells.for_hook(cells, hook)
     frame.load("payload")
     frame.load("name")
     kinds = {g.source.describe(): g.kind for g in cells.guards()}
@@ -120,7 +120,7 @@ def test_reading_an_empty_cell_is_refused() -> None:
 
     hook = outer()
     cells = CellModel(SideEffects())
-    frame = FrameCells.for_hook(cells, hook)  # type: ignore[arg-type]
+    frame = FrameCells.for_hook(cells, hook)
     with pytest.raises(CellRefused) as info:
         frame.load("late")
     assert info.value.reason.kind is CellRefusalKind.EMPTY_CELL
@@ -196,7 +196,7 @@ def test_a_counter_replayed_as_arithmetic_needs_no_guard() -> None:
     assert plan.describe().splitlines()[1:] == [
         "  closure[0:count].cell_contents = (closure[0:count].cell_contents + 1)"
     ]
-    roots = Roots.of(hook, ())  # type: ignore[arg-type]
+    roots = Roots.of(hook, ())
     for _ in range(3):
         plan.apply(roots)
     assert hook() == 4, "three replays and one real call"
@@ -251,7 +251,7 @@ def test_a_staged_write_is_read_back_unguarded_through_every_function_sharing_th
     cells.store(a, Computed("+", 10, 1))
     assert cells.load(b) == Computed("+", 10, 1), "a recorded store replaces the staged value"
     plan = se.build()
-    roots = Roots.of(bump, ())  # type: ignore[arg-type]
+    roots = Roots.of(bump, ())
     plan.apply(roots)
     assert read() == 11
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import types
 
+import pytest
+
 from loom_sidefx import (
     ArgSource,
     AttrSource,
@@ -56,3 +58,14 @@ def test_sources_are_hashable_values() -> None:
         GlobalSource("a"),
         ItemSource(GlobalSource("a"), 0),
     }
+
+
+def test_roots_of_takes_a_plain_def_and_refuses_what_is_not_a_python_function() -> None:
+    def hook(x: int) -> int:
+        return x
+
+    assert Roots.of(hook, (1,)).args == (1,)
+    with pytest.raises(
+        TypeError, match=r"Roots\.of: <built-in function len>.*not a Python function"
+    ):
+        Roots.of(len, ())

@@ -11,7 +11,7 @@ cell's name never touches the outer cell.
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from loom_sidefx import Missing, Ref, Value
 
@@ -46,8 +46,18 @@ class FrameCells:
         self._cells: dict[str, Cell] = dict(zip(code.co_freevars, closure, strict=True))
 
     @classmethod
-    def for_hook(cls, model: CellModel, fn: types.FunctionType) -> FrameCells:
-        """The root frame of the traced hook: free variables are its real closure cells."""
+    def for_hook(cls, model: CellModel, fn: Callable[..., object]) -> FrameCells:
+        """The root frame of the traced hook: free variables are its real closure cells.
+
+        ``fn`` is a Python function (``def``, ``lambda``); anything else has no code
+        and closure to model: ``TypeError`` naming it.
+        """
+        if not isinstance(fn, types.FunctionType):
+            raise TypeError(
+                f"FrameCells.for_hook: {fn!r} ({type(fn).__name__}) is not a Python "
+                "function; pass the hook's own def or lambda (for a bound method, its "
+                "__func__)"
+            )
         return cls(model, fn.__code__, model.hook_closure(fn))
 
     @classmethod

@@ -45,8 +45,18 @@ class Roots:
     closure: tuple[types.CellType, ...] = ()
 
     @classmethod
-    def of(cls, fn: types.FunctionType, args: tuple[Any, ...]) -> Roots:
-        """The roots of calling ``fn(*args)``."""
+    def of(cls, fn: Callable[..., object], args: tuple[Any, ...]) -> Roots:
+        """The roots of calling ``fn(*args)``; ``fn`` is a Python function (``def``, ``lambda``).
+
+        Anything else (a builtin, a bound method, a ``functools.partial``) has no
+        globals and closure of its own: ``TypeError`` naming it.
+        """
+        if not isinstance(fn, types.FunctionType):
+            raise TypeError(
+                f"Roots.of: {fn!r} ({type(fn).__name__}) is not a Python function; "
+                "pass the hook's own def or lambda (for a bound method, its __func__ "
+                "with the instance as the first argument)"
+            )
         return cls(tuple(args), fn.__globals__, fn.__closure__ or ())
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 # NOTE: names load on first use (PEP 562), so `import torchloom` and the
 # `torchloom` command start without torch, Dynamo or Inductor; the backend is
@@ -86,22 +86,25 @@ if "torch" in sys.modules:
     importlib.import_module("torchloom._release")
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        importlib.import_module("torchloom._release")
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    if name.startswith("_") and not name.startswith("__"):
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError:
-            pass
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# NOTE: type checkers see only the imports above, so an unknown name imported from
+# this package is an error there, not an ``Any``.
+if not TYPE_CHECKING:
 
+    def __getattr__(name: str) -> object:
+        if name in _LAZY:
+            importlib.import_module("torchloom._release")
+            value = getattr(importlib.import_module(_LAZY[name]), name)
+            globals()[name] = value
+            return value
+        if name.startswith("_") and not name.startswith("__"):
+            try:
+                return importlib.import_module(f"{__name__}.{name}")
+            except ModuleNotFoundError:
+                pass
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})
 
 
 __version__ = "0.1.0"
