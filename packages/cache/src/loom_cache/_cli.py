@@ -84,11 +84,17 @@ def cache_main(
 
 def _clear(store: TieredStore, yes: bool, local_only: bool, confirm: Callable[[str], bool]) -> int:
     local = store.local
-    n_local = local.stats().entries
     namespace = local.config.namespace or "(no namespace)"
-    what = f"{n_local} local entries of namespace {namespace} in {local.base}"
-    remote = None if local_only else store.remote
     status = 0
+    parts = []
+    if local.off is None:
+        parts.append(
+            f"{local.stats().entries} local entries of namespace {namespace} in {local.base}"
+        )
+    else:
+        print(f"the local tier is refused, so nothing is removed from it: {local.off}")
+        status = 1
+    remote = None if local_only else store.remote
     if remote is not None:
         target = local.config.remote_url_redacted or remote.name
         try:
@@ -98,12 +104,19 @@ def _clear(store: TieredStore, yes: bool, local_only: bool, confirm: Callable[[s
             print(f"the remote tier failed, so only the local tier is cleared: {exc}")
             remote, status = None, 1
         else:
-            what += f" and {n_remote}remote entries of namespace {namespace} on {target}"
-    if not yes and not confirm(f"remove {what}?"):
+            parts.append(f"{n_remote}remote entries of namespace {namespace} on {target}")
+    if not parts:
+        return status
+    if not yes and not confirm(f"remove {' and '.join(parts)}?"):
         print("nothing removed")
         return 1
-    removed = local.clear()
-    print(f"removed {removed} entries from {local.base}")
+    if local.off is None:
+        removed = local.clear()
+        if local.off is not None:
+            print(f"refused to clear {local.base}: {local.off}")
+            status = 1
+        else:
+            print(f"removed {removed} entries from {local.base}")
     if remote is not None:
         try:
             print(f"removed {remote.clear()} entries from the remote tier")

@@ -7,11 +7,14 @@ Invariants:
   mid-write leaves only a temporary file, which the next put's sweep removes once
   its writer is evidently dead: its name carries the writer's host and pid, and
   that pid is gone on this host, or it is older than five minutes.
-- Nothing inside the store is followed through a symlink: every directory
-  below the root is checked with ``lstat`` before use, files are opened with
-  ``O_NOFOLLOW``, eviction and ``clear`` open each shard with ``O_NOFOLLOW``
-  and remove only regular files named like entries (in private mode, only the
-  user's own). A symlink planted in the store is refused with a reason.
+- Nothing inside the store is followed through a symlink: every read, scan,
+  unlink and rename goes through a directory descriptor opened one component at
+  a time from the root down with ``O_NOFOLLOW`` (``LocalStore._opened``), files
+  are opened with ``O_NOFOLLOW``, and eviction and ``clear`` remove only regular
+  files named like entries (in private mode, only the user's own). A symlink
+  planted in the store, before the process opened it or while it runs, is
+  refused with a reason; ``clear`` refuses a tree with one in place of a
+  directory and removes nothing.
 - Files are created 0600 and directories 0700 (``mode="shared"``: 0660 and
   2770, for a group). A root owned by someone else or writable by others is
   used with a warning.
@@ -88,9 +91,18 @@ _BINARY: Final = getattr(os, "O_BINARY", 0)
 _FD_OPS: Final = (
     os.open in os.supports_dir_fd
     and os.unlink in os.supports_dir_fd
+    and os.rename in os.supports_dir_fd
+    and os.stat in os.supports_dir_fd
     and os.scandir in os.supports_fd
     and bool(_NOFOLLOW and _DIRECTORY)
 )
+_DIR_FLAGS: Final = os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC
+_JOURNAL: Final = "ledger.log"
+_LEDGER: Final = "ledger.json"
+_INDEX: Final = "index.tsv"
+#: A directory of the store: a descriptor opened ``O_NOFOLLOW`` from the root down, or,
+#: where the platform has no ``dir_fd``, a path whose every component was ``lstat``-ed.
+_Where = int | str
 #: Errors that mean "this directory cannot be used" rather than "try again".
 _UNUSABLE: Final = frozenset(
     {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ELOOP, errno.EEXIST}
@@ -167,9 +179,7 @@ class LocalStore:
         self._tmp = self._dir / "tmp"
         self._misses = self._dir / "misses"
         self._stats = self._dir / "stats.json"
-        self._ledger = self._dir / "ledger.json"
-        self._journal = self._dir / "ledger.log"
-        self._index = self._dir / "index.tsv"
+        self._ledger = self._dir / _LEDGER
         self._lock = filelock.FileLock(
             str(self._dir / "lock"), timeout=_LOCK_TIMEOUT_S, mode=self._file_mode
         )
@@ -226,15 +236,7 @@ class LocalStore:
         else:
             if self._shared:  # past the umask: the group must be able to write
                 os.chmod(path, self._dir_mode)
-        st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode):
-            raise UnsafeStoreError(
-                errno.ELOOP,
-                f"{path} is a symlink; loom never follows a symlink inside its store "
-                "(remove it, or point TORCHLOOM_CACHE_DIR elsewhere)",
-            )
-        if not stat.S_ISDIR(st.st_mode):
-            raise NotADirectoryError(errno.ENOTDIR, f"{path} is not a directory")
+        _check_dir(os.lstat(path), path)
 
     def _make_dirs(self) -> None:
         # NOTE: the root itself may be a symlink (a user's choice); below it, never.
@@ -244,6 +246,25 @@ class LocalStore:
             self._ensure_dir(d)
         for lock in (self._lock, self._evict_lock):
             _check_regular(Path(lock.lock_file))
+
+    @contextlib.contextmanager
+    def _opened(self, *parts: str) -> Iterator[_Where]:
+        """The directory ``<base>/v1/<parts>``, reached one component at a time below the
+        root, none of them followed if it is a symlink (:class:`UnsafeStoreError`).
+
+        Every scan, read, unlink and rename inside the store goes through it, so a
+        directory swapped for a symlink while the process runs is refused too."""
+        below = (self.base.name,) if self.base != self.root else ()
+        with contextlib.ExitStack() as stack:
+            where: _Where = str(self.root)
+            if _FD_OPS:  # NOTE: the root itself may be a symlink (a user's choice)
+                where = os.open(self.root, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+                stack.callback(os.close, where)
+            shown = self.root
+            for name in (*below, LAYOUT, *parts):
+                shown = shown / name
+                where = stack.enter_context(_subdir(where, name, shown))
+            yield where
 
     def _check_owner(self) -> None:
         """Warn (once per directory) when others own the store or may write to it."""
@@ -293,25 +314,26 @@ class LocalStore:
     def path_of(self, digest: str) -> Path:
         return self._entries / digest[:2] / f"{digest}.entry"
 
-    def _read(self, path: Path) -> bytes:
-        st = os.lstat(path.parent)
-        if stat.S_ISLNK(st.st_mode):
-            raise UnsafeStoreError(errno.ELOOP, f"{path.parent} is a symlink; not followed")
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _BINARY)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise UnsafeStoreError(errno.EINVAL, f"{path} is not a regular file")
-            return f.read()
-
     def lookup(self, digest: str) -> Lookup:
         """The entry, or a miss with its reason; never waits on the store's lock."""
         if self.off is not None:
             return Lookup(None, self.name, f"absent (local tier off: {self.off})")
         if self.config.key_missing is not None:
             return Lookup(None, self.name, f"refused (fail closed): {self.config.key_missing}")
-        path = self.path_of(digest)
+        path, name = self.path_of(digest), f"{digest}.entry"
         try:
-            data = self._read(path)
+            with self._opened("entries", digest[:2]) as shard:
+                data = _read_regular(shard, name)
+                try:
+                    entry, verified = decode_checked(
+                        data, digest, self.config.keys, self.config.signing, self.config.namespace
+                    )
+                except EntryError as exc:
+                    refused: EntryError | None = exc
+                else:
+                    refused = None
+                    with contextlib.suppress(OSError):  # LRU: a hit is a use
+                        _touch(shard, name)
         except FileNotFoundError:
             return Lookup(None, self.name, "absent")
         except NotADirectoryError:
@@ -321,17 +343,11 @@ class LocalStore:
                 log.warning("loom cache: refusing %s: a symlink inside the store", path)
                 return Lookup(None, self.name, f"refused: {path} is a symlink inside the store")
             return Lookup(None, self.name, f"unreadable: {exc}")
-        try:
-            entry, verified = decode_checked(
-                data, digest, self.config.keys, self.config.signing, self.config.namespace
-            )
-        except EntryError as exc:
-            log.warning("loom cache: dropping entry %s: %s", digest[:12], exc)
-            self._remove(path, len(data))
+        if refused is not None:
+            log.warning("loom cache: dropping entry %s: %s", digest[:12], refused)
+            self._remove(digest, len(data))
             self._bump("corrupt")
-            return Lookup(None, self.name, f"corrupt entry: {exc}")
-        with contextlib.suppress(OSError):
-            os.utime(path, follow_symlinks=False)  # LRU: a hit is a use
+            return Lookup(None, self.name, f"corrupt entry: {refused}")
         return Lookup(entry, self.name, "hit", verified)
 
     def put(self, entry: Entry) -> PutResult:
@@ -354,7 +370,7 @@ class LocalStore:
             return PutResult(
                 False, self.name, f"entry of {size} bytes exceeds the bound {self.max_bytes}"
             )
-        path = self.path_of(entry.digest)
+        path, name, shard = self.path_of(entry.digest), f"{entry.digest}.entry", entry.digest[:2]
         try:
             self._make_dirs()  # NOTE: recreates a directory removed while the process runs
             self._check_owner()
@@ -364,128 +380,149 @@ class LocalStore:
                 return PutResult(False, self.name, f"local tier off: {self.off}")
             return self._not_stored(self._describe(exc))
         try:
-            self._ensure_dir(path.parent)
-            tmp = self._write_tmp(path.name, head, entry.payload, trailer)
+            self._ensure_shard(shard)
+            tmp = self._write_tmp(name, head, entry.payload, trailer).name
+            published = False
             try:
-                old = _regular_size(path)
-                os.replace(tmp, path)
+                with self._opened("tmp") as tmp_dir, self._opened("entries", shard) as where:
+                    old = _regular_size(where, name)
+                    _replace(tmp_dir, tmp, where, name)
+                    published = True
             finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+                if not published:
+                    self._discard_tmp(tmp)
         except OSError as exc:
             return self._not_stored(self._describe(exc))
         try:
-            self._append(self._journal, f"{size - old}\n".encode())
+            self._append(_JOURNAL, f"{size - old}\n".encode())
             self._index_append(entry)
             self._maintain()
         except OSError as exc:
             # NOTE: the entry is published: say so. The ledger may now be off; drop
             # it (an unlink works on a full disk) so the next open counts afresh.
-            with contextlib.suppress(OSError):
-                os.unlink(self._ledger)
+            with contextlib.suppress(OSError), self._opened() as layout:
+                _unlink_at(layout, _LEDGER)
             reason = self._describe(exc)
             log.warning("loom cache: stored %s, but its bookkeeping failed: %s", path, reason)
             return PutResult(True, self.name, f"stored (bookkeeping skipped: {reason})")
         return PutResult(True, self.name, "stored")
 
-    def _write_tmp(self, name: str, *parts: bytes | bytearray) -> Path:
-        tmp = self._tmp / _tmp_name(name)
+    def _ensure_shard(self, shard: str) -> None:
+        """``entries/<shard>`` exists, a real directory (created if missing)."""
+        with self._opened("entries") as entries:
+            try:
+                if isinstance(entries, int):
+                    os.mkdir(shard, self._dir_mode, dir_fd=entries)
+                else:  # pragma: no cover - no dir_fd
+                    os.mkdir(os.path.join(entries, shard), self._dir_mode)
+            except FileExistsError:
+                return
+            if self._shared:  # past the umask: the group must be able to write
+                with _subdir(entries, shard, self._entries / shard) as made:
+                    os.chmod(made, self._dir_mode)
+
+    def _write_tmp(self, name: str, *parts: bytes | bytearray, sync: bool = True) -> Path:
+        """A new temporary in ``tmp`` holding ``parts`` (its name carries host and pid)."""
+        tmp = _tmp_name(name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC | _BINARY
-        fd = os.open(tmp, flags, self._file_mode)
-        try:
-            if self._shared and hasattr(os, "fchmod"):
-                os.fchmod(fd, self._file_mode)  # past the umask
-            with os.fdopen(fd, "wb") as f:
-                for part in parts:
-                    f.write(part)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return tmp
+        with self._opened("tmp") as where:
+            fd = _open_in(where, tmp, flags, self._file_mode)
+            try:
+                if self._shared and hasattr(os, "fchmod"):
+                    os.fchmod(fd, self._file_mode)  # past the umask
+                with os.fdopen(fd, "wb") as f:
+                    for part in parts:
+                        f.write(part)
+                    f.flush()
+                    if sync:
+                        os.fsync(f.fileno())
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    _unlink(where, tmp)
+                raise
+        return self._tmp / tmp
 
-    def _atomic_write(self, path: Path, data: bytes) -> None:
-        tmp = self._write_tmp(path.name, data)
+    def _discard_tmp(self, tmp: str) -> None:
+        with contextlib.suppress(OSError), self._opened("tmp") as where:
+            _unlink(where, tmp)
+
+    def _atomic_write(
+        self, parts: tuple[str, ...], name: str, data: bytes, *, sync: bool = True
+    ) -> None:
+        """Write ``v1/<parts>/<name>`` whole or not at all."""
+        tmp = self._write_tmp(name, data, sync=sync).name
+        published = False
         try:
-            os.replace(tmp, path)
+            with self._opened("tmp") as tmp_dir, self._opened(*parts) as where:
+                _replace(tmp_dir, tmp, where, name)
+                published = True
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            if not published:
+                self._discard_tmp(tmp)
 
-    def _append(self, path: Path, data: bytes) -> None:
-        """One ``O_APPEND`` write: atomic for these few bytes, and no lock."""
+    def _append(self, name: str, data: bytes) -> None:
+        """One ``O_APPEND`` write to ``v1/<name>``: atomic for these few bytes, and no lock."""
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC | _BINARY
-        fd = os.open(path, flags, self._file_mode)
+        with self._opened() as layout:
+            fd = _open_in(layout, name, flags, self._file_mode)
         try:
             os.write(fd, data)
         finally:
             os.close(fd)
 
-    def _remove(self, path: Path, size: int) -> None:
+    def _remove(self, digest: str, size: int) -> None:
         with contextlib.suppress(OSError):
-            os.unlink(path)
-            self._append(self._journal, f"{-size}\n".encode())
+            with self._opened("entries", digest[:2]) as shard:
+                _unlink(shard, f"{digest}.entry")
+            self._append(_JOURNAL, f"{-size}\n".encode())
 
     def delete(self, digest: str) -> bool:
-        path = self.path_of(digest)
         try:
-            st = os.lstat(path.parent)
-            if stat.S_ISLNK(st.st_mode):
-                return False
-            size = _regular_size(path)
-            os.unlink(path)
+            with self._opened("entries", digest[:2]) as shard:
+                size = _regular_size(shard, f"{digest}.entry")
+                _unlink(shard, f"{digest}.entry")
         except OSError:
             return False
         with contextlib.suppress(OSError):
-            self._append(self._journal, f"{-size}\n".encode())
+            self._append(_JOURNAL, f"{-size}\n".encode())
         return True
 
     # -- scanning (own files only, never through a symlink) -----------------
     @contextlib.contextmanager
-    def _shards(self) -> Iterator[Iterator[tuple[Any, str]]]:
-        """Each real shard directory as ``(dir_fd or path, name)`` pairs of its entries."""
-        opened: list[int] = []
+    def _shards(self) -> Iterator[Iterator[tuple[_Where, str]]]:
+        """Each real shard directory as ``(dir_fd or path, name)`` pairs of its entries;
+        a symlinked ``entries`` or shard is skipped, never followed."""
+        with contextlib.ExitStack() as stack:
 
-        def walk() -> Iterator[tuple[Any, str]]:
-            try:
-                shards = list(os.scandir(self._entries))
-            except OSError:
-                return
-            for shard in shards:
-                if not (_SHARD_NAME.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False)):
-                    continue
-                where: Any
-                if _FD_OPS:
+            def walk() -> Iterator[tuple[_Where, str]]:
+                try:
+                    entries = stack.enter_context(self._opened("entries"))
+                    shards = [
+                        s.name
+                        for s in os.scandir(entries)
+                        if _SHARD_NAME.fullmatch(s.name) and s.is_dir(follow_symlinks=False)
+                    ]
+                except OSError as exc:
+                    log.debug("loom cache: no entries scanned: %s", exc)
+                    return
+                for shard in shards:
                     try:
-                        fd = os.open(shard.path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+                        where = stack.enter_context(_subdir(entries, shard, self._entries / shard))
+                        names = list(os.scandir(where))
                     except OSError:
                         continue
-                    opened.append(fd)
-                    where = fd
-                else:  # pragma: no cover - platforms without dir_fd
-                    where = shard.path
-                try:
-                    names = list(os.scandir(where))
-                except OSError:
-                    continue
-                for item in names:
-                    if _ENTRY_NAME.fullmatch(item.name) and item.is_file(follow_symlinks=False):
-                        yield where, item.name
+                    for item in names:
+                        if _ENTRY_NAME.fullmatch(item.name) and item.is_file(follow_symlinks=False):
+                            yield where, item.name
 
-        try:
             yield walk()
-        finally:
-            for fd in opened:
-                os.close(fd)
 
     def _own(self, st: os.stat_result) -> bool:
         euid = _euid()
         return self.config.mode == "shared" or euid is None or st.st_uid == euid
 
     @contextlib.contextmanager
-    def _scanned(self) -> Iterator[list[tuple[float, int, Any, str]]]:
+    def _scanned(self) -> Iterator[list[tuple[float, int, _Where, str]]]:
         """``(mtime, size, where, name)`` of every entry file of the store's own; the
         shard descriptors in ``where`` stay open inside the ``with`` block."""
         out = []
@@ -509,7 +546,7 @@ class LocalStore:
         program = entry.key.program.replace("\t", " ").replace("\n", " ")
         line = f"{entry.digest}\t{entry.created!r}\t{program}\n".encode()
         try:
-            self._append(self._index, line)
+            self._append(_INDEX, line)
         except OSError as exc:  # the listing falls back to reading headers
             if exc.errno in _FULL:
                 raise
@@ -517,9 +554,8 @@ class LocalStore:
 
     def _read_index(self) -> dict[str, tuple[float, str]]:
         try:
-            fd = os.open(self._index, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _BINARY)
-            with os.fdopen(fd, "rb") as f:
-                text = f.read().decode(errors="replace")
+            with self._opened() as layout:
+                text = _read_regular(layout, _INDEX).decode(errors="replace")
         except OSError:
             return {}
         out: dict[str, tuple[float, str]] = {}
@@ -541,7 +577,7 @@ class LocalStore:
             f"{d}\t{c!r}\t{p}\n" for d, (c, p) in index.items() if d in present
         ).encode()
         with contextlib.suppress(OSError):
-            self._atomic_write(self._index, lines)
+            self._atomic_write((), _INDEX, lines)
 
     def summaries(self) -> list[EntrySummary]:
         """Every entry's digest, program, size and times, from one directory scan and
@@ -568,13 +604,11 @@ class LocalStore:
 
     def info(self, digest: str) -> EntryInfo | None:
         """One entry's header (key components, metadata), or None."""
-        path = self.path_of(digest)
         try:
-            if stat.S_ISLNK(os.lstat(path.parent).st_mode):
-                return None
+            with self._opened("entries", digest[:2]) as shard:
+                return _read_info(shard, f"{digest}.entry")
         except OSError:
             return None
-        return _read_info(str(path.parent), path.name)
 
     def entries(self) -> Iterator[EntryInfo]:
         """Every readable entry's header (unreadable ones are skipped)."""
@@ -585,9 +619,21 @@ class LocalStore:
                     yield info
 
     def clear(self) -> int:
-        """Remove every entry of this namespace's tree, its counters and recorded misses."""
+        """Remove every entry of this namespace's tree, its counters and recorded misses.
+
+        A tree with a symlink (or anything but a directory) in place of one of its
+        directories is refused whole: nothing is removed, and the local tier is off
+        with the reason (``off``)."""
         removed = 0
         if not self._dir.is_dir():
+            return 0
+        try:
+            for parts in ((), ("entries",), ("tmp",), ("misses",)):
+                with contextlib.suppress(FileNotFoundError), self._opened(*parts):
+                    pass
+        except OSError as exc:
+            self._turn_off(self._describe(exc), warn=False)
+            log.warning("loom cache: refusing to clear %s: %s", self.base, self.off)
             return 0
         try:
             with self._locked(self._evict_lock, _LOCK_TIMEOUT_S):
@@ -596,17 +642,18 @@ class LocalStore:
                         with contextlib.suppress(OSError):
                             _unlink(where, name)
                             removed += 1
-                with contextlib.suppress(OSError):
-                    for item in os.scandir(self._misses):
+                with contextlib.suppress(FileNotFoundError), self._opened("misses") as misses:
+                    for item in os.scandir(misses):
                         if item.name.endswith(".json") and item.is_file(follow_symlinks=False):
-                            os.unlink(item.path)
+                            _unlink_at(misses, item.name)
                 with self._locked(self._lock, _LOCK_TIMEOUT_S):
-                    for part in self._claim():
-                        part.unlink()
+                    with self._opened() as layout, self._opened("tmp") as tmp:
+                        for part in self._claim(layout, tmp):
+                            _unlink_at(tmp, part)
+                        with contextlib.suppress(FileNotFoundError):
+                            _unlink_at(layout, _INDEX)
                     self._write_json(self._stats, {})
                     self._write_json(self._ledger, {"bytes": 0})
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._index)
         except (OSError, filelock.Timeout) as exc:
             log.warning("loom cache: could not clear %s: %s", self.base, self._describe(exc))
         return removed
@@ -684,36 +731,31 @@ class LocalStore:
     def _sweep_tmp(self) -> None:
         """Remove temporaries that dead writers left (the directory is ~empty)."""
         now = time.time()
-        with contextlib.suppress(OSError):
-            for tmp in os.scandir(self._tmp):
+        with contextlib.suppress(OSError), self._opened("tmp") as tmp:
+            for item in os.scandir(tmp):
                 with contextlib.suppress(OSError):
-                    st = tmp.stat(follow_symlinks=False)
+                    st = item.stat(follow_symlinks=False)
                     if (
-                        tmp.name.endswith(".tmp")
+                        item.name.endswith(".tmp")
                         and stat.S_ISREG(st.st_mode)
-                        and _writer_gone(tmp.name, now - st.st_mtime)
+                        and _writer_gone(item.name, now - st.st_mtime)
                     ):
-                        os.unlink(tmp.path)
-                        log.debug("loom cache: removed %s, a dead writer's", tmp.path)
+                        _unlink_at(tmp, item.name)
+                        log.debug("loom cache: removed %s, a dead writer's", self._tmp / item.name)
 
     # -- journals: counters and ledger deltas, appended without a lock --------
-    def _counter_file(self, counter: str) -> Path:
-        return self._dir / f"{counter}.count"
-
-    def _claim(self) -> list[Path]:
-        """Rename the live journals aside (lock held) and return every claimed part,
-        with any an earlier fold could not finish. Appends after the rename start a
-        new file, so nothing is folded twice."""
+    def _claim(self, layout: _Where, tmp: _Where) -> list[str]:
+        """Rename the live journals aside (lock held) and return every claimed part in
+        ``tmp``, with any an earlier fold could not finish. Appends after the rename
+        start a new file, so nothing is folded twice."""
         token = uuid.uuid4().hex
-        for live, kind in [(self._journal, "ledger")] + [
-            (self._counter_file(c), c) for c in _COUNTERS
-        ]:
+        for live, kind in [(_JOURNAL, "ledger")] + [(f"{c}.count", c) for c in _COUNTERS]:
             with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISREG(os.lstat(live).st_mode):  # a planted link is never read
-                    os.rename(live, self._tmp / f"fold.{token}.{kind}")
+                if stat.S_ISREG(_stat(layout, live).st_mode):  # a planted link is never read
+                    _replace(layout, live, tmp, f"fold.{token}.{kind}")
         return [
-            Path(item.path)
-            for item in os.scandir(self._tmp)
+            item.name
+            for item in os.scandir(tmp)
             if item.name.startswith("fold.") and item.is_file(follow_symlinks=False)
         ]
 
@@ -721,25 +763,26 @@ class LocalStore:
         """Add the journals to ``stats.json`` and ``ledger.json`` (lock held) and return
         the ledger. ``base``: the ledger's new value before the journaled deltas
         (``journaled=False``: drop them, ``base`` counted them already)."""
-        parts = self._claim()
-        counters = self._read_json(self._stats)
-        ledger = self._read_json(self._ledger)
-        total = ledger.get("bytes") if base is None else base
-        for part in parts:
-            kind = part.name.rsplit(".", 1)[1]
-            if kind == "ledger":
-                if journaled and isinstance(total, int):
-                    total += _sum_lines(part)
-            elif kind in _COUNTERS:
-                counters[kind] = int(counters.get(kind, 0)) + part.stat().st_size
-        if parts:
-            self._write_json(self._stats, counters)
-        ledger = {"bytes": max(0, total)} if isinstance(total, int) else {}
-        if parts or base is not None:
-            self._write_json(self._ledger, ledger)
-        for part in parts:
-            with contextlib.suppress(OSError):
-                part.unlink()
+        with self._opened() as layout, self._opened("tmp") as tmp:
+            parts = self._claim(layout, tmp)
+            counters = self._read_json(self._stats)
+            ledger = self._read_json(self._ledger)
+            total = ledger.get("bytes") if base is None else base
+            for part in parts:
+                kind = part.rsplit(".", 1)[1]
+                if kind == "ledger":
+                    if journaled and isinstance(total, int):
+                        total += _sum_lines(tmp, part)
+                elif kind in _COUNTERS:
+                    counters[kind] = int(counters.get(kind, 0)) + _stat(tmp, part).st_size
+            if parts:
+                self._write_json(self._stats, counters)
+            ledger = {"bytes": max(0, total)} if isinstance(total, int) else {}
+            if parts or base is not None:
+                self._write_json(self._ledger, ledger)
+            for part in parts:
+                with contextlib.suppress(OSError):
+                    _unlink_at(tmp, part)
         return ledger
 
     # -- hit/miss bookkeeping ---------------------------------------------
@@ -751,34 +794,34 @@ class LocalStore:
         """Keep the key of a miss so ``torchloom cache explain`` can compare it later."""
         if self.off is not None or not self._dir.is_dir():
             return
-        path = self._misses / f"{key.digest}.json"
         record = json.dumps({"time": time.time(), "key": key.to_json()}).encode()
         try:
             self._ensure_dir(self._misses)
-            self._atomic_write(path, record)
-            records = []
-            for item in os.scandir(self._misses):
-                if item.name.endswith(".json") and item.is_file(follow_symlinks=False):
-                    records.append((item.stat(follow_symlinks=False).st_mtime, item.path))
-            for _, old in sorted(records)[:-_MAX_MISS_RECORDS]:
-                os.unlink(old)
+            self._atomic_write(("misses",), f"{key.digest}.json", record)
+            with self._opened("misses") as misses:
+                records = []
+                for item in os.scandir(misses):
+                    if item.name.endswith(".json") and item.is_file(follow_symlinks=False):
+                        records.append((item.stat(follow_symlinks=False).st_mtime, item.name))
+                for _, old in sorted(records)[:-_MAX_MISS_RECORDS]:
+                    _unlink_at(misses, old)
         except OSError as exc:  # explanations are best effort
             log.debug("loom cache: could not record the miss: %s", exc)
 
     def misses(self) -> list[tuple[float, CacheKey]]:
         out = []
         try:
-            items = [i for i in os.scandir(self._misses) if i.name.endswith(".json")]
+            with self._opened("misses") as misses:
+                for item in os.scandir(misses):
+                    if not item.name.endswith(".json"):
+                        continue
+                    try:
+                        data = json.loads(_read_regular(misses, item.name))
+                        out.append((float(data["time"]), CacheKey.from_json(data["key"])))
+                    except (OSError, ValueError, KeyError, TypeError):
+                        continue
         except OSError:
             return []
-        for item in items:
-            try:
-                fd = os.open(item.path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-                with os.fdopen(fd, "rb") as f:
-                    data = json.loads(f.read())
-                out.append((float(data["time"]), CacheKey.from_json(data["key"])))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
         return sorted(out, key=lambda t: t[0])
 
     def stats(self) -> StoreStats:
@@ -787,14 +830,15 @@ class LocalStore:
         entries, size = self._total()
         counters = self._read_json(self._stats)
         pending = {c: 0 for c in _COUNTERS}
-        with contextlib.suppress(OSError):
-            for item in os.scandir(self._tmp):
+        with contextlib.suppress(OSError), self._opened("tmp") as tmp:
+            for item in os.scandir(tmp):
                 kind = item.name.rsplit(".", 1)[-1]
                 if item.name.startswith("fold.") and kind in pending:
                     pending[kind] += item.stat(follow_symlinks=False).st_size
-        for c in _COUNTERS:
-            with contextlib.suppress(OSError):
-                pending[c] += os.lstat(self._counter_file(c)).st_size
+        with contextlib.suppress(OSError), self._opened() as layout:
+            for c in _COUNTERS:
+                with contextlib.suppress(OSError):
+                    pending[c] += _stat(layout, f"{c}.count").st_size
         return StoreStats(
             entries=entries,
             bytes=size,
@@ -808,44 +852,47 @@ class LocalStore:
         if self.off is not None:
             return
         try:
-            self._append(self._counter_file(counter), b".")
+            self._append(f"{counter}.count", b".")
         except OSError as exc:  # counters are best effort
             log.debug("loom cache: could not count a %s: %s", counter, exc)
 
     def _read_json(self, path: Path) -> dict[str, Any]:
+        """The object in ``path`` (a file of the layout directory), or ``{}``."""
         try:
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-            with os.fdopen(fd, "rb") as f:
-                data = json.loads(f.read())
+            with self._opened() as layout:
+                data = json.loads(_read_regular(layout, path.name))
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
 
     def _write_json(self, path: Path, value: dict[str, Any]) -> None:
-        tmp = self._tmp / _tmp_name(path.stem)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC | _BINARY
-        fd = os.open(tmp, flags, self._file_mode)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(json.dumps(value).encode())
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        self._atomic_write((), path.name, json.dumps(value).encode(), sync=False)
 
     # -- locks ---------------------------------------------------------------
     @contextlib.contextmanager
     def _locked(self, lock: filelock.FileLock, timeout: float) -> Iterator[None]:
         """Hold ``lock``, waiting at most ``timeout`` (``filelock.Timeout`` past it)."""
-        _check_regular(Path(lock.lock_file))
+        self._check_lock(lock)
         with lock.acquire(timeout=timeout):
             yield
+
+    def _check_lock(self, lock: filelock.FileLock) -> None:
+        """The lock file is a regular file or absent, in a layout directory reached
+        through no symlink. NOTE: filelock opens it by path, so a swap between this
+        check and that open is not caught; the lock file holds nothing of value."""
+        name = os.path.basename(lock.lock_file)
+        with self._opened() as layout, contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(_stat(layout, name).st_mode):
+                raise UnsafeStoreError(
+                    errno.ELOOP,
+                    f"{lock.lock_file} is not a regular file (a symlink?); not followed",
+                )
 
     @contextlib.contextmanager
     def _try_locked(self, lock: filelock.FileLock) -> Iterator[bool]:
         """Hold ``lock`` if it is free right now; yields whether it is held."""
         try:
-            _check_regular(Path(lock.lock_file))
+            self._check_lock(lock)
             lock.acquire(timeout=0)
         except (OSError, filelock.Timeout):
             yield False
@@ -878,6 +925,74 @@ def _writer_gone(name: str, age_s: float) -> bool:
     return False
 
 
+def _symlink_refused(path: Path) -> UnsafeStoreError:
+    return UnsafeStoreError(
+        errno.ELOOP,
+        f"{path} is a symlink; loom never follows a symlink inside its store "
+        "(remove it, or point TORCHLOOM_CACHE_DIR elsewhere)",
+    )
+
+
+def _check_dir(st: os.stat_result, shown: Path) -> None:
+    """``st`` (an ``lstat``) is a real directory's."""
+    if stat.S_ISLNK(st.st_mode):
+        raise _symlink_refused(shown)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, f"{shown} is not a directory")
+
+
+@contextlib.contextmanager
+def _subdir(where: _Where, name: str, shown: Path) -> Iterator[_Where]:
+    """The directory ``name`` in ``where``, never through a symlink (``shown``: its
+    path, for messages)."""
+    if not isinstance(where, int):  # pragma: no cover - no dir_fd
+        path = os.path.join(where, name)
+        _check_dir(os.lstat(path), shown)
+        yield path
+        return
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=where)
+    except OSError as exc:
+        # NOTE: O_NOFOLLOW | O_DIRECTORY on a symlink is ENOTDIR on Linux, ELOOP elsewhere
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        _check_dir(os.stat(name, dir_fd=where, follow_symlinks=False), shown)
+        raise
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _open_in(where: _Where, name: str, flags: int, mode: int = 0o600) -> int:
+    if isinstance(where, int):
+        return os.open(name, flags, mode, dir_fd=where)
+    return os.open(os.path.join(where, name), flags, mode)  # pragma: no cover - no dir_fd
+
+
+def _replace(src_where: _Where, src: str, dst_where: _Where, dst: str) -> None:
+    if isinstance(src_where, int) and isinstance(dst_where, int):
+        os.replace(src, dst, src_dir_fd=src_where, dst_dir_fd=dst_where)
+    else:  # pragma: no cover - no dir_fd
+        os.replace(os.path.join(str(src_where), src), os.path.join(str(dst_where), dst))
+
+
+def _touch(where: _Where, name: str) -> None:
+    if isinstance(where, int):
+        os.utime(name, dir_fd=where, follow_symlinks=False)
+    else:  # pragma: no cover - no dir_fd
+        os.utime(os.path.join(where, name), follow_symlinks=False)
+
+
+def _read_regular(where: _Where, name: str) -> bytes:
+    """The bytes of the regular file ``name`` (never through a symlink)."""
+    fd = _open_in(where, name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _BINARY)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise UnsafeStoreError(errno.EINVAL, f"{name} is not a regular file")
+        return f.read()
+
+
 def _check_regular(path: Path) -> None:
     """``path`` is a regular file or absent: never a symlink loom would follow."""
     try:
@@ -890,37 +1005,42 @@ def _check_regular(path: Path) -> None:
         )
 
 
-def _sum_lines(path: Path) -> int:
+def _sum_lines(where: _Where, name: str) -> int:
     total = 0
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        for line in f:
+    with contextlib.suppress(OSError):
+        for line in _read_regular(where, name).splitlines():
             with contextlib.suppress(ValueError):
                 total += int(line)
     return total
 
 
-def _stat(where: Any, name: str) -> os.stat_result:
+def _stat(where: _Where, name: str) -> os.stat_result:
     if isinstance(where, int):
         return os.stat(name, dir_fd=where, follow_symlinks=False)
     return os.lstat(os.path.join(where, name))  # pragma: no cover - no dir_fd
 
 
-def _unlink(where: Any, name: str) -> None:
+def _unlink_at(where: _Where, name: str) -> None:
     if isinstance(where, int):
         os.unlink(name, dir_fd=where)
     else:  # pragma: no cover - no dir_fd
         os.unlink(os.path.join(where, name))
 
 
-def _regular_size(path: Path) -> int:
+def _unlink(where: _Where, name: str) -> None:
+    """Unlink an entry (eviction, ``clear``, ``delete``)."""
+    _unlink_at(where, name)
+
+
+def _regular_size(where: _Where, name: str) -> int:
     try:
-        st = os.lstat(path)
+        st = _stat(where, name)
     except FileNotFoundError:
         return 0
     return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
-def _read_info(where: Any, name: str) -> EntryInfo | None:
+def _read_info(where: _Where, name: str) -> EntryInfo | None:
     """An entry's header (one read; the payload beyond it is never parsed)."""
     try:
         flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _BINARY
