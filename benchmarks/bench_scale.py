@@ -31,7 +31,13 @@ the root (embedding, final norm, LM head, loss) eager:
 - ``loom``: ``backend="loom"``;
 - ``loom-cg``: ``backend="loom", options={"cudagraphs": True}``;
 - ``capture_step``: ``torchloom.capture_step`` over the whole step, the decoder
-  layers compiled by ``loom`` (the same compiled layers as the ``loom`` variant).
+  layers compiled by ``loom`` (the same compiled layers as the ``loom`` variant);
+- ``full-inductor`` and ``full-loom``: the first design note's setting (traceable
+  FSDP2): the whole model compiled with that backend, FSDP2's hooks traced into the
+  graph (``skip_fsdp_hooks=False``: its all-gathers and reduce-scatters become graph
+  collectives, its storage resizes and ``fsdp.copy_`` graph ops), the backward
+  compiled by compiled autograd with the same backend (``fullgraph=True``); the
+  optimizer step stays eager. GPU only.
 
 The compiled region is the decoder layer's ``forward``: FSDP2's hooks (its
 all-gathers and reduce-scatters) run around it, outside the graph, as with
@@ -54,11 +60,13 @@ capture: ``compile_s`` is their wall time less as many steady steps) and
 ``--rounds`` interleaved rounds (order rotating) of ``--steps`` steps; a round's time
 is the slowest rank's, after a barrier, device synchronized.
 
-Columns: ``step_ms`` (median over rounds; ``min_ms``-``max_ms`` the spread),
+Columns: ``step_ms`` (median over rounds; ``min_ms``, ``q1_ms``, ``q3_ms``, ``max_ms``
+the spread over rounds),
 ``tok_s`` (tokens per second over all GPUs) and ``tok_s_gpu``, ``mfu`` (model FLOPs
 per token = 6 x non-embedding parameters + 12 x layers x hidden x seq for attention,
 torchtitan's count; over ``--peak-tflops``, 989 for H100 and H200 bf16 dense),
-``vs_inductor`` (median of per-round step-time ratios; below 1 is faster),
+``vs_inductor`` (median of per-round step-time ratios; below 1 is faster;
+``vs_inductor_min`` / ``vs_inductor_max`` their spread),
 ``peak_gib`` (``max_memory_allocated`` over the ``--mem-steps`` calls: weights,
 optimizer state, gradients, activations; a CUDA graph's intermediates live in its
 pool, which ``allocated`` does not count after the capture), ``reserved_gib`` (what
@@ -70,26 +78,31 @@ pools and activations included), the largest rank's; ``loom_graphs`` / ``fallbac
 ``--combine`` (no torchrun) reads the ``--json`` files of several node sizes and
 prints tokens/s per GPU per size and the scaling efficiency against the smallest size.
 
+Defaults on GPU: 4 warm-up calls, then 10 rounds of 10 steps in every regime (3
+rounds of 4 let one slow round move a median by 60%).
+
 On CPU (``--smoke``: gloo, a 2-layer hidden-32 Llama, 2 rounds of 1 step) loom runs
-with ``codegen="eager"``; ``inductor`` and ``loom-cg`` are not run and capture_step
-runs uncaptured. It checks the harness, not speed; rank 0 prints one
+with ``codegen="eager"``; ``inductor``, ``loom-cg`` and the full-graph variants are
+not run and capture_step runs uncaptured. It checks the harness, not speed; rank 0 prints one
 ``SCALE_RESULT {json}`` line per row.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
 import gc
 import json
+import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +118,13 @@ import workloads
 from _harness import append_results, format_table, ratio
 from workloads import CausalLMLoss, HFSize
 
-VARIANTS = ("eager", "inductor", "loom", "loom-cg", "capture_step")
+VARIANTS = ("eager", "inductor", "loom", "loom-cg", "capture_step", "full-inductor", "full-loom")
+#: The full-graph variants and the backend each compiles the whole model with.
+FULL_GRAPH = {"full-inductor": "inductor", "full-loom": "loom"}
+#: Logging calls a full-graph trace drops (FSDP2's hooks log at debug level).
+QUIET_LOGGING = {logging.Logger.debug}
+#: GPU defaults: timed rounds and steps per round, in every regime.
+ROUNDS, STEPS = 10, 10
 #: Per-GPU batch (sequences, tokens each) of each regime.
 REGIMES = {"compute": (4, 2048), "strong": (1, 512)}
 SMOKE_REGIMES = {"compute": (2, 16), "strong": (1, 8)}
@@ -179,20 +198,67 @@ def compile_kwargs(variant: str, cuda: bool) -> dict[str, Any] | None:
         "loom": {"backend": "loom", "options": loom_options},
         "loom-cg": {"backend": "loom", "options": {**loom_options, "cudagraphs": True}},
         "capture_step": None,  # the ``loom`` variant's layers
+        "full-inductor": None,  # the whole model: see ``full_graph_step``
+        "full-loom": None,
     }[variant]
 
 
 def layers_of(variant: str) -> str:
-    """Whose compiled layers a variant runs."""
+    """Whose compiled layers a variant runs (a full-graph variant traces the plain ones)."""
+    if variant in FULL_GRAPH:
+        return "eager"
     return "loom" if variant == "capture_step" else variant
 
 
 def not_run_reason(variant: str, cuda: bool) -> str | None:
     if not cuda and variant == "loom-cg":
         return "not run: GPU only (CUDA graphs)"
+    if not cuda and variant in FULL_GRAPH:
+        return "not run: GPU only (traceable FSDP2 with compiled autograd, NCCL)"
     if not cuda and variant == "inductor":
         return "not run on CPU: an Inductor CPU compile takes minutes on a small machine"
     return None
+
+
+@contextlib.contextmanager
+def traceable_fsdp2() -> Iterator[None]:
+    """Dynamo traces FSDP2's hooks (read when a hook is called) and drops their debug
+    log calls, which a ``fullgraph`` backward cannot break on."""
+    # NOTE: torch 2.11 logs an error per compile while ignore_logging_functions holds a
+    # function (its compile-metrics record JSON-encodes the config): silenced here.
+    metrics = logging.getLogger("torch._dynamo.metrics_context")
+    level = metrics.level
+    metrics.setLevel(logging.CRITICAL)
+    try:
+        with torch._dynamo.config.patch(
+            skip_fsdp_hooks=False, ignore_logging_functions=QUIET_LOGGING
+        ):
+            yield
+    finally:
+        metrics.setLevel(level)
+
+
+def full_graph_step(bench: Bench, variant: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The step with the whole model compiled by ``variant``'s backend, FSDP2's hooks
+    traced (``skip_fsdp_hooks=False``, read when a hook is called: at trace time) and
+    the backward compiled by compiled autograd (``fullgraph=True``: FSDP2's debug log
+    calls are no-ops, as under export); the optimizer step eager. The decoder layers
+    run their plain forward (``layers_of``)."""
+    from torch._dynamo import compiled_autograd
+
+    kwargs = compile_kwargs(FULL_GRAPH[variant], bench.cuda) or {}
+    model = torch.compile(bench.model, **kwargs)
+    backward = torch.compile(fullgraph=True, **kwargs)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        with traceable_fsdp2(), compiled_autograd._enable(backward):
+            bench.opt.zero_grad(set_to_none=True)
+            loss = model(ids)
+            loss.backward()
+            bench.opt.step()
+        return loss.detach()
+
+    return step
 
 
 def flops_per_token(model: nn.Module, size: HFSize, seq: int) -> float:
@@ -262,6 +328,8 @@ def prepare(
             import torchloom
 
             step = torchloom.capture_step(bench.train_step)
+        elif variant in FULL_GRAPH:
+            step = full_graph_step(bench, variant)
         bench.sync()
         gc.collect()
         if bench.cuda:
@@ -385,6 +453,8 @@ def run_regime(bench: Bench, regime: str) -> list[dict[str, Any]]:
         if variant in failed:
             row["error"] = f"while timed: {failed[variant]}"
         step_s = statistics.median(t) if t else None
+        q1, q3 = _quartiles(t)
+        lo, mid, hi = _round_ratios(times, failed, variant, "inductor")
         tok_s_gpu = tokens / step_s if step_s else None
         mfu = tok_s_gpu * fpt / (args.peak_tflops * 1e12) if tok_s_gpu and bench.cuda else None
         out.append(
@@ -395,17 +465,22 @@ def run_regime(bench: Bench, regime: str) -> list[dict[str, Any]]:
                 "batch": f"{batch}x{seq}",
                 "step_ms": step_s * 1e3 if step_s else None,
                 "min_ms": min(t) * 1e3 if t else None,
+                "q1_ms": q1 * 1e3 if q1 is not None else None,
+                "q3_ms": q3 * 1e3 if q3 is not None else None,
                 "max_ms": max(t) * 1e3 if t else None,
+                "rounds": len(t) if t else 0,
                 "tok_s": tok_s_gpu * world if tok_s_gpu else None,
                 "tok_s_gpu": tok_s_gpu,
                 "mfu": mfu,
-                "vs_inductor": _round_ratio(times, failed, variant, "inductor"),
+                "vs_inductor": mid,
+                "vs_inductor_min": lo,
+                "vs_inductor_max": hi,
                 "peak_gib": row.get("peak_gib"),
                 "reserved_gib": row.get("reserved_gib"),
                 "compile_s": row.get("compile_s"),
                 "ac": args.ac,
-                "loom_graphs": graphs if variant in ("loom", "loom-cg", "capture_step") else None,
-                "fallbacks": fallbacks if variant in ("loom", "loom-cg", "capture_step") else None,
+                "loom_graphs": graphs if variant in LOOM_VARIANTS else None,
+                "fallbacks": fallbacks if variant in LOOM_VARIANTS else None,
                 "note": row.get("error") or row.get("note"),
             }
         )
@@ -413,15 +488,30 @@ def run_regime(bench: Bench, regime: str) -> list[dict[str, Any]]:
     return out
 
 
-def _round_ratio(
+#: The variants whose rows carry loom's graph and fallback counts.
+LOOM_VARIANTS = ("loom", "loom-cg", "capture_step", "full-loom")
+
+
+def _quartiles(values: list[float] | None) -> tuple[float | None, float | None]:
+    """The first and third quartiles (``None`` with fewer than two values)."""
+    if not values or len(values) < 2:
+        return None, None
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def _round_ratios(
     times: dict[str, list[float]], failed: dict[str, str], name: str, ref: str
-) -> float | None:
-    """The median over rounds of ``name``'s step time over ``ref``'s in the same round."""
+) -> tuple[float | None, float | None, float | None]:
+    """The min, median and max over rounds of ``name``'s step time over ``ref``'s in
+    the same round."""
     if name == ref or name in failed or ref in failed:
-        return None
+        return None, None, None
     pairs = zip(times.get(name) or [], times.get(ref) or [], strict=False)
     per_round = [r for r in (ratio(a, b) for a, b in pairs) if r is not None]
-    return statistics.median(per_round) if per_round else None
+    if not per_round:
+        return None, None, None
+    return min(per_round), statistics.median(per_round), max(per_round)
 
 
 # --- the command -------------------------------------------------------------------------------
@@ -455,8 +545,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.regime_shapes = SMOKE_REGIMES if args.smoke else REGIMES
     args.precision = args.precision or ("bf16" if cuda else "fp32")
     args.warmup = args.warmup or (4 if cuda else 2)
-    args.steps = args.steps or (4 if cuda else 1)
-    args.rounds = args.rounds or (3 if cuda else 2)
+    args.steps = args.steps or (STEPS if cuda else 1)
+    args.rounds = args.rounds or (ROUNDS if cuda else 2)
     return args
 
 
@@ -479,6 +569,8 @@ def combine(paths: list[str], no_append: bool) -> int:
                 row[f"eff@{w}"] = ratio(tps, base)
         for w in worlds:
             row[f"peak_gib@{w}"] = (by_world.get(w) or {}).get("peak_gib")
+        for w in worlds:
+            row[f"reserved_gib@{w}"] = (by_world.get(w) or {}).get("reserved_gib")
         out.append(row)
     print(format_table(out))
     if not no_append:
@@ -553,8 +645,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{' '.join(sys.argv[1:])}`: LlamaForCausalLM from a config ({s.layers} layers, "
             f"hidden {s.hidden}, {s.heads}/{s.kv_heads} heads, intermediate {s.intermediate}, "
             f"vocab {s.vocab}; {params / 1e9:.3f}B parameters), FSDP2 per layer + root, "
-            f"{args.precision}, AdamW; each decoder layer compiled; step_ms: median of "
-            f"{args.rounds} interleaved rounds of {args.steps} steps (the slowest rank); "
+            f"{args.precision}, AdamW; each decoder layer compiled (full-*: the whole model, "
+            "FSDP2's hooks traced, compiled autograd); step_ms: median of "
+            f"{args.rounds} interleaved rounds of {args.steps} steps (the slowest rank), "
+            "min/q1/q3/max their spread; "
             f"MFU against {args.peak_tflops:.0f} TFLOP/s; peak_gib: max_memory_allocated "
             "over the variant's steps (largest rank); reserved_gib: the shared weights' and "
             "optimizer state's reservation plus what the variant's own calls added."

@@ -44,13 +44,21 @@ def _smoke() -> list[dict[str, Any]]:
 
 def test_bench_scale_smoke_runs_every_cpu_variant_in_both_regimes_on_two_ranks() -> None:
     rows = {(r["regime"], r["variant"]): r for r in _smoke()}
-    variants = ("eager", "inductor", "loom", "loom-cg", "capture_step")
+    variants = (
+        *("eager", "inductor", "loom", "loom-cg", "capture_step"),
+        *("full-inductor", "full-loom"),
+    )
     assert set(rows) == {(g, v) for g in ("compute", "strong") for v in variants}
     for regime in ("compute", "strong"):
         for variant in ("eager", "loom", "capture_step"):
             r = rows[regime, variant]
             assert r["world"] == 2, r
             assert r["step_ms"] > 0 and r["tok_s"] == 2 * r["tok_s_gpu"] > 0, r
+            # the spread over rounds: min <= q1 <= median <= q3 <= max
+            assert r["rounds"] == 2, r
+            assert r["min_ms"] <= r["q1_ms"] <= r["step_ms"] <= r["q3_ms"] <= r["max_ms"], r
+        for variant in ("full-inductor", "full-loom"):  # traceable FSDP2: GPU only
+            assert "GPU only" in rows[regime, variant]["note"], rows[regime, variant]
         # the decoder layers share one compiled forward: one Dynamo graph for both
         # layers, none fell back to eager
         loom = rows[regime, "loom"]
