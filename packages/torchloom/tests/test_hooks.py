@@ -537,6 +537,42 @@ def test_save_on_cpu_entered_for_every_step_compiles_once_and_matches_eager() ->
     assert _entries("placed")
 
 
+def stream_offload_hooks(threshold: int = 64) -> tuple[Any, Any]:
+    """A user's async offload pair (issue 45: torchtune's pattern) on ``torch.cpu``'s
+    streams: a side stream per pair, ``wait_stream``, ``with stream(side)``, and a
+    non-blocking copy each way. The tracer drops the stream operations."""
+    side = torch.cpu.Stream()
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.numel() < threshold:
+            return (t.device, t)
+        cpu = torch.empty(t.size(), dtype=t.dtype, pin_memory=False)
+        side.wait_stream(torch.cpu.current_stream())
+        with torch.cpu.stream(side):
+            cpu.copy_(t, non_blocking=True)
+        return (t.device, cpu)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        device, cpu = packed
+        torch.cpu.current_stream().wait_stream(side)
+        return cpu.to(device, non_blocking=True)
+
+    return pack, unpack
+
+
+def test_stream_offload_hooks_made_every_step_are_placed_once_and_match_eager() -> None:
+    model, x = _mlp(), torch.randn(8, 16)
+    compiled = torch.compile(model, backend="loom", options=OPTS)
+    before = _frames_compiled()
+    for _ in range(3):  # a new pair, with a new side stream, each step
+        hooks = stream_offload_hooks()
+        _assert_same(_train_step(compiled, model, x, hooks), _train_step(model, model, x, hooks))
+    assert _frames_compiled() - before == 1 and len(torchloom.report()) == 1
+    (placed,) = _entries("placed")
+    assert placed.get("packed") and "traced Python hooks" in placed.message
+    assert not _entries("eager")
+
+
 def test_alternating_pairs_keep_one_graph_each_and_the_report_says_why() -> None:
     model, x = _mlp(), torch.randn(8, 16)
     compiled = torch.compile(model, backend="loom", options=OPTS)

@@ -70,3 +70,56 @@ def test_cpu_offload_round_trip_on_cuda_matches_eager() -> None:
     torch.cuda.synchronize()
     assert out.device.type == "cuda"
     assert_same(reload(packed), out)
+
+
+def cuda_offload_hooks() -> tuple[Any, Any]:
+    """The user's async offload pair of issue 45 (torchtune's OffloadActivations, reduced)."""
+    side = torch.cuda.Stream()
+
+    def pack(t):
+        if t.numel() < 65536:
+            return (t.device, t)
+        cpu = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            cpu.copy_(t, non_blocking=True)
+        t.record_stream(side)
+        return (t.device, cpu)
+
+    def unpack(packed):
+        device, cpu = packed
+        torch.cuda.current_stream().wait_stream(side)
+        return cpu.to(device, non_blocking=True)
+
+    return pack, unpack
+
+
+def test_cuda_stream_offload_pair_traces_drops_its_stream_ops_and_matches_eager() -> None:
+    pack, unpack = cuda_offload_hooks()
+    x = torch.randn(256, 512, device="cuda")
+    traced_pack = _traced(pack, x)
+    assert [op.split(" at ")[0] for op in traced_pack.stream_ops] == [
+        "torch.cuda.Stream.wait_stream",
+        "with torch.cuda.stream",
+        "Tensor.record_stream",
+    ]
+    assert "torch.cuda.is_available() -> True" in traced_pack.process_constants
+    packed = traced_pack.run(x)
+    expected = pack(x)
+    torch.cuda.synchronize()
+    assert packed[1].device.type == "cpu"
+    assert_same(expected, packed)
+    traced_unpack = _traced(unpack, packed)
+    assert [op.split(" at ")[0] for op in traced_unpack.stream_ops] == [
+        "torch.cuda.Stream.wait_stream"
+    ]
+    out = traced_unpack.run(packed)
+    torch.cuda.synchronize()
+    assert_same(unpack(packed), out)
+    assert torch.equal(out, x)
+    # a new side stream each step serves the same traces: the stream's type is guarded
+    (cell,) = [c for c in pack.__closure__ if isinstance(c.cell_contents, torch.cuda.Stream)]
+    cell.cell_contents = torch.cuda.Stream()
+    assert traced_pack.check_guards(x) and traced_unpack.check_guards(packed)
+    small = torch.randn(8, device="cuda")
+    assert _traced(pack, small).stream_ops == ()

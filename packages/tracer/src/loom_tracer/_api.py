@@ -103,6 +103,7 @@ def trace_hook(
         fingerprint=fingerprint,
         opaque_calls=tuple(ctx.opaque_calls),
         process_constants=process_constants,
+        stream_ops=tuple(ctx.stream_ops),
         torch_graph=torch_gm,
         _input_getters=tuple(source.compile() for source in input_sources),
         _globals=func.__globals__,

@@ -22,12 +22,14 @@ from ._calls import call_value
 from ._context import TraceContext, slot
 from ._kinds import is_const, is_symbolic
 from ._refusal import Refused, TraceRefusalKind, refuse
+from ._streams import ordering_attr
 from ._values import (
     ConstV,
     FunctionV,
     LazyNum,
     MethodV,
     ObjectV,
+    OrderingV,
     SuperV,
     TensorV,
     TupleV,
@@ -66,7 +68,6 @@ TENSOR_METHOD_DENYLIST = frozenset(
         "register_post_accumulate_grad_hook",
         "untyped_storage",
         "storage",
-        "record_stream",
         "retain_grad",
         "requires_grad_",
         "equal",
@@ -115,6 +116,8 @@ def get_attr(ctx: TraceContext, v: Value, name: str, depth: int) -> Value:
         return _object_attr(ctx, v, name, depth)
     if isinstance(v, SuperV):
         return _super_attr(ctx, v, name)
+    if isinstance(v, OrderingV):
+        return ordering_attr(v, name)
     if isinstance(v, TupleV):
         fields = v.fields or getattr(v.cls, "_fields", ())
         if name in fields:

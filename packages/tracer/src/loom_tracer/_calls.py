@@ -22,6 +22,7 @@ from ._kinds import is_const, is_symbolic
 from ._operators import binary_op, get_item, truthy
 from ._process_constants import describe_call, process_constant_name
 from ._refusal import TraceRefusalKind, refuse
+from ._streams import call_ordering_function, call_ordering_method, record_stream
 from ._values import (
     ConstV,
     DictV,
@@ -33,6 +34,8 @@ from ._values import (
     LazyNum,
     ListV,
     MethodV,
+    NoOpCallV,
+    OrderingV,
     SetV,
     SymV,
     TensorV,
@@ -93,6 +96,8 @@ def call_value(
     if isinstance(fn, GradEnterV):
         ctx.grad_enabled = fn.enabled
         return ConstV(None)
+    if isinstance(fn, NoOpCallV):
+        return fn.result
     if isinstance(fn, ConstV):
         return call_const(ctx, fn.value, args, kwargs, depth)
     raise refuse(TraceRefusalKind.UNSUPPORTED_CALL, f"calling a {fn.py_type.__qualname__}")
@@ -102,11 +107,15 @@ def call_method(
     ctx: TraceContext, m: MethodV, args: list[Value], kwargs: dict[str, Value], depth: int
 ) -> Value:
     self_v, name, func = m.self_v, m.name, m.func
+    if isinstance(self_v, OrderingV):
+        return call_ordering_method(ctx, self_v, name, args, kwargs)
     if isinstance(func, types.FunctionType):
         return call_value(ctx, ctx.function_value(func, None), [self_v, *args], kwargs, depth)
     if isinstance(self_v, TensorV):
         if name == "__getitem__":
             return get_item(ctx, self_v, args[0])
+        if name == "record_stream":
+            return record_stream(ctx, self_v, args, kwargs)
         return ctx.call_torch(None, [self_v, *args], kwargs, method=name)
     if kwargs and not isinstance(self_v, ConstV):
         raise refuse(
@@ -178,6 +187,9 @@ def call_const(
     folded = process_constant_name(fn)
     if folded is not None:
         return _fold_process_constant(ctx, fn, folded, args, kwargs)
+    ordering = call_ordering_function(ctx, fn, args, kwargs)
+    if ordering is not None:
+        return ordering
     if fn in (torch.finfo, torch.iinfo):
         return ConstV(fn(*[ctx.specialize(a) for a in args]))
     if isinstance(fn, type) and issubclass(fn, BaseException):

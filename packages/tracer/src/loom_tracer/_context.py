@@ -51,6 +51,7 @@ from ._kinds import SYMBOLIC_TYPES, is_const, is_symbolic
 from ._lift import NumberInput, lift_numbers
 from ._predicates import EqualTo, TensorMeta
 from ._refusal import Refused, TraceRefusalKind, refuse
+from ._streams import ordering_value
 from ._values import (
     ConstV,
     DictV,
@@ -186,6 +187,8 @@ class TraceContext:
         self.opaque_calls: list[str] = []
         #: Calls folded at trace time (``_process_constants``), as ``name(args) -> result``.
         self.process_constants: dict[str, None] = {}
+        #: Stream and event operations dropped from the graph (``_streams``), with their line.
+        self.stream_ops: list[str] = []
         self.where = "<hook>"
         # The model of Python state: every list, dict, set, object, globals
         # dict and cell the hook touches is tracked by the side-effect log
@@ -199,6 +202,10 @@ class TraceContext:
     def record_process_constant(self, call: str) -> None:
         """A call folded at trace time (no guard: its result is fixed for the process)."""
         self.process_constants[call] = None
+
+    def record_stream_op(self, op: str) -> None:
+        """A stream or event operation the trace drops (it only orders work)."""
+        self.stream_ops.append(op)
 
     # ------------------------------------------------------------------ guards
     def guard(self, source: Source | None, kind: GuardKind, expected: Any) -> None:
@@ -301,6 +308,9 @@ class TraceContext:
         if isinstance(obj, types.FunctionType):
             self.guard(source, GuardKind.IDENTITY, obj)
             return self.remember(obj, self.function_value(obj, source))
+        ordering = ordering_value(self, obj, source)
+        if ordering is not None:  # not remembered: which stream it is never matters
+            return ordering
         if isinstance(obj, types.ModuleType):
             self.guard(source, GuardKind.IDENTITY, obj)
             return ConstV(obj, source)

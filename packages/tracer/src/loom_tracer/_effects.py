@@ -41,6 +41,7 @@ from ._values import (
     LazyNum,
     ListV,
     ObjectV,
+    OrderingV,
     SetV,
     SymV,
     TensorV,
@@ -91,6 +92,13 @@ class PlanRecorder:
             return tuple(self.value(x) for x in v.items)
         if isinstance(v, (ListV, DictV, SetV)):
             return self._new(v)
+        if isinstance(v, OrderingV):
+            raise refuse(
+                TraceRefusalKind.UNSUPPORTED_SIDE_EFFECT,
+                f"a {v.py_type.__qualname__} the hook made or asked for escapes it: stream "
+                "operations are dropped from the trace, so there is no object to replay",
+                "keep streams and events outside the hook's result and state",
+            )
         if isinstance(v, FunctionV):
             new_cells = [c.name for c in v.closure if c.is_new]
             captured = (
@@ -140,7 +148,7 @@ def _live(v: Value) -> object:
     """The trace-time object behind a sourced value (for ``loom_sidefx.concrete``)."""
     if isinstance(v, (ConstV, LazyNum)):
         return v.value
-    if isinstance(v, ObjectV):
+    if isinstance(v, (ObjectV, OrderingV)):
         return v.obj
     if isinstance(v, FunctionV):
         return v.fn

@@ -29,6 +29,7 @@ from ._values import (
     LazyNum,
     ListV,
     ObjectV,
+    OrderingV,
     SetV,
     SymV,
     TensorV,
@@ -144,6 +145,12 @@ def is_same(ctx: TraceContext, a: Value, b: Value) -> bool:
     """``a is b``: distinct values model distinct objects, except constants."""
     if a is b:
         return True
+    if isinstance(a, OrderingV) and isinstance(b, OrderingV):
+        raise refuse(
+            TraceRefusalKind.UNSUPPORTED_VALUE,
+            "identity of streams and events is not modelled (`is` between two of them)",
+            "streams only order work in a trace; do not branch on which stream is current",
+        )
     if isinstance(a, (ConstV, LazyNum)) and isinstance(b, (ConstV, LazyNum)):
         return bool(ctx.specialize(a) is ctx.specialize(b))
     return False

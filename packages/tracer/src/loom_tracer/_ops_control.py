@@ -24,7 +24,18 @@ from ._pyversion import (
     WITH_LOADS_SPECIAL_METHODS,
 )
 from ._refusal import TraceRefusalKind, refuse
-from ._values import NULL, ConstV, GradEnterV, GradExitV, GradModeV, IteratorV, Value
+from ._streams import enter_stream_context
+from ._values import (
+    NULL,
+    ConstV,
+    GradEnterV,
+    GradExitV,
+    GradModeV,
+    IteratorV,
+    NoOpCallV,
+    StreamContextV,
+    Value,
+)
 
 _NONE = ConstV(None)
 
@@ -155,19 +166,32 @@ def _raise_varargs(frame: Frame, inst: dis.Instruction) -> None:
     )
 
 
-def _grad_mode(manager: Value) -> GradModeV:
-    if not isinstance(manager, GradModeV):
+def _context_manager(frame: Frame, manager: Value) -> GradModeV | StreamContextV:
+    """The context manager a ``with`` enters: a grad mode, or a stream context (which the
+    trace records and otherwise ignores, ``_streams``)."""
+    if isinstance(manager, GradModeV):
+        return manager
+    stream_context = enter_stream_context(frame.ctx, manager)
+    if stream_context is None:
         raise refuse(
             TraceRefusalKind.UNSUPPORTED_CALL,
             f"with-statement over a {manager.py_type.__qualname__}",
-            "only `with torch.no_grad()` and `with torch.enable_grad()` are supported",
+            "only `with torch.no_grad()`, `with torch.enable_grad()` and stream contexts "
+            "(`with torch.cuda.stream(s)`) are supported",
         )
-    return manager
+    return stream_context
 
 
+# NOTE: 3.11 to 3.13 enter a `with` the same way (BEFORE_WITH, and a CALL of __exit__
+# with three Nones on the normal path; WITH_EXCEPT_START is only reached by an exception,
+# which the trace never follows): one handler, no flag. 3.14 loads the methods instead.
 @handles("BEFORE_WITH", when=not WITH_LOADS_SPECIAL_METHODS)
 def _before_with(frame: Frame, inst: dis.Instruction) -> None:
-    manager = _grad_mode(frame.pop())
+    manager = _context_manager(frame, frame.pop())
+    if isinstance(manager, StreamContextV):
+        frame.push(NoOpCallV(_NONE))
+        frame.push(manager.entered)
+        return
     frame.push(GradExitV(frame.ctx.grad_enabled))
     frame.ctx.grad_enabled = manager.enabled
     frame.push(_NONE)
@@ -181,11 +205,18 @@ _ENTER, _EXIT = 0, 1
 def _load_special(frame: Frame, inst: dis.Instruction) -> None:
     """3.14: ``__exit__`` is loaded before ``__enter__`` is called, so it captures the
     grad mode to restore; the NULL follows the bound method (as Dynamo models it)."""
-    manager = _grad_mode(frame.pop())
-    if inst.arg == _ENTER:
-        frame.push(GradEnterV(manager.enabled))
-    elif inst.arg == _EXIT:
-        frame.push(GradExitV(frame.ctx.grad_enabled))
+    manager = frame.pop()
+    if inst.arg == _EXIT:
+        if isinstance(manager, GradModeV):
+            frame.push(GradExitV(frame.ctx.grad_enabled))
+        else:
+            frame.push(NoOpCallV(_NONE))
+    elif inst.arg == _ENTER:
+        entered = _context_manager(frame, manager)
+        if isinstance(entered, StreamContextV):
+            frame.push(NoOpCallV(entered.entered))
+        else:
+            frame.push(GradEnterV(entered.enabled))
     else:
         raise refuse(TraceRefusalKind.UNSUPPORTED_OPCODE, f"LOAD_SPECIAL {inst.argrepr}")
     frame.push(NULL)

@@ -48,6 +48,11 @@ class TracedHook:
     #: Calls evaluated at trace time because their result is fixed for the process
     #: (``"torch.cuda.is_available() -> False"``); in the fingerprint, not guarded.
     process_constants: tuple[str, ...] = ()
+    #: Stream and event operations the trace dropped, each with the hook's line
+    #: (``"torch.cuda.Stream.wait_stream at offload.py:12"``): the graph runs in program
+    #: order on one stream, which satisfies them (``_streams``). Not in the fingerprint
+    #: (the bytecode is); a lowering that uses streams must order the work itself.
+    stream_ops: tuple[str, ...] = ()
     torch_graph: torch.fx.GraphModule | None = field(default=None, repr=False, compare=False)
     _input_getters: tuple[Callable[[Roots], Any], ...] = field(
         default=(), repr=False, compare=False
@@ -124,6 +129,7 @@ class TracedHook:
         lines.append("inputs: " + ", ".join(s.describe() for s in self.input_sources))
         lines += ["guard: " + g.describe() for g in self.guards]
         lines += ["process constant: " + c for c in self.process_constants]
+        lines += ["dropped stream op: " + op for op in self.stream_ops]
         lines.append(self.graph.code.strip())
         lines.append(self.replay.describe())
         return "\n".join(lines)

@@ -270,3 +270,54 @@ class GradExitV(Value):
     @property
     def py_type(self) -> type:
         return types.MethodType
+
+
+@dataclass(eq=False)
+class OrderingV(Value):
+    """A stream or an event (``_streams``): it only orders work, so the trace models no
+    state of it. ``obj`` is the pre-existing object (None for one the hook made or asked
+    for); ``cls`` is its exact class."""
+
+    cls: type
+    obj: Any = None
+    source: Source | None = None
+
+    @property
+    def py_type(self) -> type:
+        return self.cls
+
+
+@dataclass(eq=False)
+class StreamV(OrderingV):
+    """A stream: ``torch.cuda.Stream``, ``torch.cpu.Stream``, ``torch.Stream``."""
+
+
+@dataclass(eq=False)
+class EventV(OrderingV):
+    """An event: ``torch.cuda.Event``, ``torch.cpu.Event``, ``torch.Event``."""
+
+
+@dataclass(eq=False)
+class StreamContextV(Value):
+    """``torch.cuda.stream(s)``, a ``StreamContext`` or a stream in a ``with``: entering
+    and leaving it only select the stream later work is ordered on (a no-op in a trace)."""
+
+    cls: type
+    label: str
+    entered: Value
+
+    @property
+    def py_type(self) -> type:
+        return self.cls
+
+
+@dataclass(eq=False)
+class NoOpCallV(Value):
+    """The bound ``__enter__`` or ``__exit__`` of a stream context: calling it does
+    nothing and returns ``result``."""
+
+    result: Value
+
+    @property
+    def py_type(self) -> type:
+        return types.MethodType
