@@ -261,12 +261,40 @@ def test_key_file_current_then_previous_and_no_secret_in_repr(
         assert KEY.decode() not in text and "pw-secret" not in text
 
 
-def test_a_short_key_is_refused_with_a_warning(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("where", ["TORCHLOOM_CACHE_KEY", "TORCHLOOM_CACHE_KEY_FILE"])
+def test_a_key_shorter_than_16_bytes_fails_closed_like_a_missing_key_file(
+    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("TORCHLOOM_CACHE_KEY", "short")
+    marker = tmp_path / "pwned"
+    planted = LocalStore(tmp_path / "cache", config=CacheConfig(tmp_path / "cache"))
+    planted.put(_evil(1, marker))  # unsigned, planted in the private directory
+    key_file = tmp_path / "key"
+    key_file.write_text("only15bytes-key\n")
+    key_file.chmod(0o600)
+    value = "only15bytes-key" if where == "TORCHLOOM_CACHE_KEY" else str(key_file)
     caplog.set_level(logging.WARNING, logger="torchloom.cache")
-    assert CacheConfig.from_env().keys == ()
+    config = CacheConfig.from_env({where: value, "TORCHLOOM_CACHE_DIR": str(tmp_path / "cache")})
+    assert config.key_missing is not None and f"{where}" in config.key_missing
+    assert "15 bytes" in config.key_missing and "at least 16" in config.key_missing
+    store = LocalStore(config=config)
+    found = store.lookup(_key(1).digest)
+    assert not found.hit and "fail closed" in found.reason
+    assert _load_all(store, [_key(1).digest]) == 0 and not marker.exists()
+    assert not store.put(Entry(_key(2), b"would be unsigned")).stored
+    assert planted.path_of(_key(1).digest).exists()  # refused, not destroyed
+    (record,) = caplog.records
+    assert record.levelno == logging.ERROR and "refuses every entry" in record.getMessage()
+    assert "only15bytes" not in caplog.text and key_id(b"only15bytes-key") not in caplog.text
+
+
+def test_a_short_key_beside_a_usable_one_warns_and_the_usable_one_signs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    config = CacheConfig.from_env(
+        {"TORCHLOOM_CACHE_KEY": "short", "TORCHLOOM_CACHE_PREVIOUS_KEY": OLD_KEY.decode()}
+    )
+    assert config.keys == (OLD_KEY,) and config.key_missing is None
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "at least 16" in warning and "short" not in warning
 

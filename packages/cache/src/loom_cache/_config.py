@@ -110,9 +110,9 @@ class CacheConfig:
     #: The largest value one remote read accepts (``TORCHLOOM_REMOTE_CACHE_MAX_BYTES``):
     #: a larger entry is a miss for that key, and the remote tier does not store one.
     remote_max_bytes: int = DEFAULT_REMOTE_MAX_BYTES
-    #: Why a configured key could not be read (``TORCHLOOM_CACHE_KEY_FILE`` missing or
-    #: unreadable), or None. Set, the cache fails closed: every tier refuses unsigned
-    #: entries and stores nothing (see docs/cache.md, "Trust").
+    #: Why no configured key can be used (``TORCHLOOM_CACHE_KEY_FILE`` missing or not a
+    #: small regular file, a key shorter than 16 bytes), or None. Set, the cache fails
+    #: closed: every tier refuses every entry and stores nothing (docs/cache.md, "Trust").
     key_missing: str | None = None
 
     def __post_init__(self) -> None:
@@ -357,46 +357,52 @@ def _key_file(path: str) -> tuple[list[bytes], str | None]:
 
 
 def _keys(env: Mapping[str, str | None]) -> tuple[tuple[bytes, ...], str | None]:
-    """Current key first, previous ones after, and why a configured key file cannot be
-    read (None when it can). Keys are text (hex or any string of 16+ bytes); a key file
-    holds one key per line, the current one first."""
-    keys: list[bytes] = []
-    missing: str | None = None
-    current = (env.get("TORCHLOOM_CACHE_KEY") or "").strip()
-    if current:
-        keys.append(current.encode())
-    path = (env.get("TORCHLOOM_CACHE_KEY_FILE") or "").strip()
-    if path:
-        from_file, why = _key_file(path)
-        keys.extend(from_file)
+    """Current key first, previous ones after, and why a configured key cannot be used
+    (None when every one can). Keys are the variables' bytes (hex or any string of 16+
+    bytes); a key file holds one key per line, the current one first.
+
+    A configured key that cannot be used (a key file missing or not a small regular
+    file, a key shorter than 16 bytes) leaves the others in use with a WARNING; with
+    none left, the cache fails closed (one ERROR)."""
+    configured: list[tuple[str, bytes]] = []
+    problems: list[str] = []
+    set_vars: list[str] = []
+    for var in ("TORCHLOOM_CACHE_KEY", "TORCHLOOM_CACHE_KEY_FILE", "TORCHLOOM_CACHE_PREVIOUS_KEY"):
+        raw = (env.get(var) or "").strip()
+        if not raw:
+            continue
+        set_vars.append(var)
+        if var != "TORCHLOOM_CACHE_KEY_FILE":
+            configured.append((var, raw.encode()))
+            continue
+        from_file, why = _key_file(raw)
+        configured.extend((var, key) for key in from_file)
         if why is not None:
-            missing = f"TORCHLOOM_CACHE_KEY_FILE={path} cannot be read: {why}"
-    previous = (env.get("TORCHLOOM_CACHE_PREVIOUS_KEY") or "").strip()
-    if previous:
-        keys.append(previous.encode())
+            problems.append(f"TORCHLOOM_CACHE_KEY_FILE={raw} cannot be read: {why}")
     usable: list[bytes] = []
-    for key in keys:
+    for var, key in configured:
         if len(key) < _MIN_KEY_BYTES:
-            log.warning(
-                "loom cache: ignoring a cache key of %d bytes (id %s): a key needs at least %d",
-                len(key),
-                key_id(key),
-                _MIN_KEY_BYTES,
+            # NOTE: not even the key's id: a short key's id can be searched for it
+            problems.append(
+                f"{var} holds a key of {len(key)} bytes; a key needs at least {_MIN_KEY_BYTES}"
             )
         elif key not in usable:
             usable.append(key)
-    if missing is not None and not usable:
-        # NOTE: fail closed. A key file was configured, so this process was meant to
-        # trust only signed entries; trusting unsigned ones because the file is gone
+    if not problems:
+        return tuple(usable), None
+    missing = "; ".join(problems)
+    if not usable:
+        # NOTE: fail closed. A key was configured, so this process was meant to trust
+        # only signed entries; trusting unsigned ones because the key cannot be used
         # would let anyone who can write the store run code here.
         log.error(
-            "loom cache: %s; the cache refuses every entry and stores nothing until the "
-            "key is there (unset TORCHLOOM_CACHE_KEY_FILE to run without signing)",
+            "loom cache: %s; the cache refuses every entry and stores nothing until a "
+            "usable key is set (unset %s to run without signing)",
             missing,
+            " and ".join(set_vars),
         )
         return (), missing
-    if missing is not None:
-        log.warning("loom cache: %s; using the other keys set", missing)
+    log.warning("loom cache: %s; using the other keys set", missing)
     return tuple(usable), None
 
 
