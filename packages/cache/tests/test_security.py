@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import pathlib
 import pickle
 from pathlib import Path
@@ -307,3 +308,16 @@ def test_config_refuses_bad_values_given_in_code(tmp_path: Path) -> None:
     with pytest.raises(CacheConfigError, match="16 bytes"):
         CacheConfig(keys=(b"short",))
     assert dataclasses.replace(CacheConfig(), namespace="ok-1").namespace == "ok-1"
+
+
+def test_a_key_that_is_not_utf8_is_taken_as_its_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    raw = b"\xff\xfe-not-utf8-key-0123456789"  # what "$(head -c 32 /dev/urandom)" gives
+    monkeypatch.setitem(os.environb, b"TORCHLOOM_CACHE_KEY", raw)
+    monkeypatch.setitem(os.environb, b"TORCHLOOM_CACHE_PREVIOUS_KEY", raw[::-1])
+    config = CacheConfig.from_env()  # raised UnicodeEncodeError, failing every compile
+    assert config.keys == (raw, raw[::-1]) and config.key_missing is None
+    store = LocalStore(tmp_path, config=config)
+    assert store.put(Entry(_key(1), b"artifact")).stored
+    assert store.lookup(_key(1).digest).verified

@@ -373,7 +373,7 @@ def _keys(env: Mapping[str, str | None]) -> tuple[tuple[bytes, ...], str | None]
             continue
         set_vars.append(var)
         if var != "TORCHLOOM_CACHE_KEY_FILE":
-            configured.append((var, raw.encode()))
+            configured.append((var, _env_bytes(raw)))
             continue
         from_file, why = _key_file(raw)
         configured.extend((var, key) for key in from_file)
@@ -404,6 +404,13 @@ def _keys(env: Mapping[str, str | None]) -> tuple[tuple[bytes, ...], str | None]
         return (), missing
     log.warning("loom cache: %s; using the other keys set", missing)
     return tuple(usable), None
+
+
+def _env_bytes(value: str) -> bytes:
+    """The bytes of an environment value as the process received them: ``os.environ``
+    decodes them with ``surrogateescape``, so a key that is not UTF-8 (``head -c 32
+    /dev/urandom``) comes back whole instead of raising ``UnicodeEncodeError``."""
+    return os.fsencode(value)
 
 
 def _namespace(raw: str | None) -> str:
