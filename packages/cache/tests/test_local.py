@@ -223,7 +223,45 @@ def test_a_killed_writers_temporary_is_swept_by_the_next_put(tmp_path: Path) -> 
     store.put(_entry(2))
     assert not orphan.exists()  # its writer's pid is gone from this host
     assert live.exists()  # a live writer's temporary stays
-    old = time.time() - 600
-    os.utime(live, (old, old))
+
+
+def _age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_a_live_writers_temporary_is_never_swept_however_old(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    live = store._write_tmp("cd" * 32 + ".entry", b"y")  # one very slow put of a large entry
+    _age(live, 3600)
+    store.put(_entry(1))
+    assert live.exists()  # its writer (this process) is alive: an hour is no proof of death
+
+
+def test_a_temporary_whose_owner_cannot_be_known_is_swept_by_age(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.put(_entry(1))
+    other_host = tmp_path / "v1" / "tmp" / f"x.entry.elsewhere-{os.getpid()}.{'0' * 32}.tmp"
+    other_host.write_bytes(b"z")
+    store.put(_entry(2))
+    assert other_host.exists()  # another host's writer may be alive
+    _age(other_host, 600)
     store.put(_entry(3))
-    assert not live.exists()  # older than a few minutes: evidently dead, whoever wrote it
+    assert not other_host.exists()  # older than five minutes: taken for dead
+
+
+def test_a_planted_temporary_with_an_impossible_pid_never_makes_put_raise(tmp_path: Path) -> None:
+    from loom_cache._local import _HOST
+
+    store = LocalStore(tmp_path)
+    store.put(_entry(1))
+    planted = tmp_path / "v1" / "tmp" / f"x.entry.{_HOST}-99999999999999999999.u.tmp"
+    planted.write_bytes(b"z")
+    for i in (2, 3):
+        result = store.put(_entry(i))  # raised OverflowError out of os.kill
+        assert result.stored and result.reason == "stored"
+    assert store.evict(0) == 3
+    assert planted.exists()  # no such pid can be probed: its owner is unknown, it is young
+    _age(planted, 600)
+    store.put(_entry(4))
+    assert not planted.exists()

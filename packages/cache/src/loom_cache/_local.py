@@ -6,7 +6,8 @@ Invariants:
   with ``O_EXCL | O_NOFOLLOW`` and are published with ``os.replace``; a crash
   mid-write leaves only a temporary file, which the next put's sweep removes once
   its writer is evidently dead: its name carries the writer's host and pid, and
-  that pid is gone on this host, or it is older than five minutes.
+  that pid is gone on this host; a temporary whose owner cannot be probed (another
+  host's) once it is older than five minutes. A live writer's is never swept.
 - Nothing inside the store is followed through a symlink: every read, scan,
   unlink and rename goes through a directory descriptor opened one component at
   a time from the root down with ``O_NOFOLLOW`` (``LocalStore._opened``), files
@@ -70,9 +71,10 @@ from loom_cache._store import EntryInfo, Lookup, PutResult, StoreStats
 log = logging.getLogger("torchloom.cache")
 
 LAYOUT: Final = "v1"
-#: A temporary older than this is a dead writer's, whatever its name says (a write
-#: takes seconds; a live writer's pid may be on another host sharing the directory).
+#: A temporary whose writer cannot be probed (another host's) is a dead writer's once
+#: older than this (a write takes seconds).
 _STALE_TMP_SECONDS: Final = 300.0
+_MAX_PID: Final = 2**31 - 1
 #: This host, as temporaries' names carry it (with the writer's pid).
 _HOST: Final = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:32] or "host"
 _MAX_MISS_RECORDS: Final = 200
@@ -908,21 +910,31 @@ def _tmp_name(name: str) -> str:
 
 
 def _writer_gone(name: str, age_s: float) -> bool:
-    """Whether the temporary ``name`` (``_tmp_name``'s) was left by a dead writer: it
-    is older than :data:`_STALE_TMP_SECONDS`, or its pid is gone from this host."""
-    if age_s > _STALE_TMP_SECONDS:
-        return True
-    parts = name.rsplit(".", 3)
-    host, _, pid = parts[1].rpartition("-") if len(parts) == 4 else ("", "", "")
-    if host != _HOST or not (pid.isascii() and pid.isdigit()) or os.name != "posix":
-        return False  # NOTE: os.kill(pid, 0) ends the process on Windows
+    """Whether the temporary ``name`` (``_tmp_name``'s) was left by a dead writer. Its
+    name says this host and a pid: the writer is gone when that pid is, however young
+    the file, and alive while it lives, however old (a very slow put of a large entry).
+    When the owner cannot be known (another host, a name not of this form, a pid no
+    process can have), it is gone once older than :data:`_STALE_TMP_SECONDS`."""
+    pid = _local_writer(name)
+    if pid is None:
+        return age_s > _STALE_TMP_SECONDS
     try:
-        os.kill(int(pid), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except OSError:  # another user's live process
         return False
     return False
+
+
+def _local_writer(name: str) -> int | None:
+    """The pid of this host's writer that ``name`` names, or None (owner unknown)."""
+    parts = name.rsplit(".", 3)
+    host, _, pid = parts[1].rpartition("-") if len(parts) == 4 else ("", "", "")
+    if host != _HOST or not (pid.isascii() and pid.isdigit()) or os.name != "posix":
+        return None  # NOTE: os.kill(pid, 0) ends the process on Windows
+    # NOTE: 0 signals the process group; past pid_t, os.kill raises OverflowError
+    return int(pid) if 0 < int(pid) <= _MAX_PID else None
 
 
 def _symlink_refused(path: Path) -> UnsafeStoreError:
