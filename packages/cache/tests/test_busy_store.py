@@ -206,6 +206,31 @@ def test_disk_full_at_the_entry_is_not_stored_and_worded_as_disk_full(
     assert store.off is None and store.put(_entry(1)).stored  # space again: stored
 
 
+_PAST_THE_FILE_SIZE_LIMIT = """
+import logging, resource, sys
+from loom_cache import CacheKey, Entry, KeyComponent, LocalStore
+logging.basicConfig(level=logging.WARNING)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+store = LocalStore(sys.argv[1])
+key = CacheKey("prog", (KeyComponent("graph", "0" * 64, "g"),))
+result = store.put(Entry(key, b"x" * (1 << 20)))  # past ulimit -f: EFBIG (SIGXFSZ is ignored)
+print(result.stored, store.off, result.reason, sep="|")
+"""
+
+
+def test_a_file_size_limit_is_worded_as_the_limit_it_is_not_unusable(tmp_path: Path) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", _PAST_THE_FILE_SIZE_LIMIT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stored, off, reason = child.stdout.strip().split("|")
+    assert (stored, off) == ("False", "None")
+    assert reason.startswith("file size limit") and "unusable" not in reason
+    assert "unusable" not in child.stderr and "file size limit" in child.stderr
+
+
 # -- key files ---------------------------------------------------------------------------
 
 

@@ -110,6 +110,9 @@ _UNUSABLE: Final = frozenset(
     {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ELOOP, errno.EEXIST}
 )
 _FULL: Final = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+#: Errors that mean "a limit was reached" (a full disk, a quota, a file size limit):
+#: a not-stored, never an unusable directory.
+_LIMITS: Final = _FULL | {errno.EFBIG}
 _warned_roots: set[tuple[str, str]] = set()
 
 
@@ -214,6 +217,11 @@ class LocalStore:
             return str(exc)
         if isinstance(exc, OSError) and exc.errno in _FULL:
             return f"disk full: cannot write under {self.root} ({exc.strerror})"
+        if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+            return (
+                f"file size limit: cannot write under {self.root} ({exc.strerror}: the "
+                "process's limit, ulimit -f, or the filesystem's largest file)"
+            )
         if not isinstance(exc, OSError):
             return f"cache directory {self.root}: {exc!r}"
         why = "not a directory" if exc.errno == errno.EEXIST else (exc.strerror or str(exc))
@@ -550,7 +558,7 @@ class LocalStore:
         try:
             self._append(_INDEX, line)
         except OSError as exc:  # the listing falls back to reading headers
-            if exc.errno in _FULL:
+            if exc.errno in _LIMITS:
                 raise
             log.debug("loom cache: could not append to the index: %s", exc)
 
