@@ -62,6 +62,7 @@ PACKAGES: dict[str, str] = {
     "cells": "torchloom-cells",
     "tracer": "torchloom-tracer",
     "hops": "torchloom-hops",
+    "offload": "torchloom-offload",
     "resize": "torchloom-resize",
     "cudagraph": "torchloom-cudagraph",
     "step": "torchloom-step",

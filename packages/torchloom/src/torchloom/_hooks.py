@@ -36,6 +36,7 @@ from torch.fx import GraphModule
 import loom_hops
 from torchloom import _torch_compat as compat
 from torchloom._errors import LoomRefusal, RefusalKind, Unsupported
+from torchloom._offload import lower_offload_step, register_offload_operators
 from torchloom._report import GraphRecordBuilder
 from torchloom._values import Codegen, GraphKind, Snapshot
 
@@ -50,6 +51,7 @@ __all__ = [
     "place_hooks",
     "place_saved_tensor_hooks",
     "prepare_hooks",
+    "with_saved_strides",
     "wrap_hooks_runtime",
 ]
 
@@ -57,6 +59,8 @@ log = logging.getLogger("torchloom.hooks")
 
 
 if TYPE_CHECKING:
+    import loom_offload
+
     #: A compiled pair and the hook graphs its guard matches others with (None: by content alone).
     Variant = tuple[loom_hops.HookPair | None, loom_hops.HookGraphs | None]
 
@@ -188,6 +192,8 @@ class HookPlacement:
 
     placement: loom_hops.Placement | None = None
     refused: loom_hops.Unsupported | None = None
+    #: What the offload step did with pairs that move saved tensors to the host.
+    offload: loom_offload.OffloadPlan | None = None
 
 
 def _refuse(snapshot: Snapshot, reason: loom_hops.Unsupported) -> loom_hops.Unsupported:
@@ -231,6 +237,8 @@ def prepare_hooks(snapshot: Snapshot) -> HooksPlan:
         )
     if decision.past_limit:
         return dataclasses.replace(plan, others=tuple(frame.compiled))
+    if pair is not None and options.saved_tensor_hooks_in_graph:
+        register_offload_operators()
     if pair is None or not options.saved_tensor_hooks_in_graph:
         if pair is not None:
             snapshot.record.add_entry("hooks", "eager", "saved_tensor_hooks_in_graph is off")
@@ -301,6 +309,7 @@ def place_hooks(
         kept=placement.kept,
         fingerprint=plan.fingerprint,
     )
+    offload = lower_offload_step(snapshot, placement, fw_gm, bw_gm)
     if placement.moved:
         record.add_entry(
             "hooks",
@@ -313,7 +322,7 @@ def place_hooks(
         code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
         record.add_graph(kind, code)
         log.debug("graph %d, %s:\n%s", snapshot.graph_id, kind, code)
-    return HookPlacement(placement)
+    return HookPlacement(placement, offload=offload)
 
 
 def place_saved_tensor_hooks(
@@ -375,6 +384,49 @@ def with_unpack_effects(
         return out
 
     return compat.mark_boxed(backward_then_unpack_effects)
+
+
+def with_saved_strides(
+    fn: Callable[..., Any],
+    plan: HooksPlan,
+    placed: HookPlacement,
+    kind: GraphKind,
+    g: GraphModule,
+    inputs: Sequence[Any],
+) -> Callable[..., Any]:
+    """A compiled backward whose saved tensors come back from hooks that run eagerly
+    (refused, past the variant limit, or the option off) with the strides it was
+    compiled for.
+
+    An eager unpack may return other strides than the saved tensor had
+    (``save_on_cpu()`` packs into ``torch.empty(t.size())``: SDPA's transposed q, k
+    and v come back contiguous); eager autograd formulas accept any strides, the
+    generated backward asserts them. Each saved tensor whose strides differ is
+    copied to the expected ones before the call (nothing is copied when they match).
+    """
+    eager_hooks = plan.pair is not None and (plan.graphs is None or placed.refused is not None)
+    if kind is not GraphKind.BACKWARD or not eager_hooks:
+        return fn
+    names = [n.name for n in g.graph.nodes if n.op == "placeholder"]
+    expected: list[tuple[int, tuple[int, ...]]] = []
+    for i, (name, value) in enumerate(zip(names, inputs, strict=False)):
+        if name.startswith("tangents") or not isinstance(value, torch.Tensor):
+            continue
+        stride = tuple(value.stride())
+        if all(isinstance(s, int) for s in stride):
+            expected.append((i, stride))
+    if not expected:
+        return fn
+
+    def backward_with_saved_strides(args: list[Any]) -> Any:
+        for i, stride in expected:
+            arg = args[i]
+            if isinstance(arg, torch.Tensor) and arg.stride() != stride:
+                fixed = torch.empty_strided(arg.shape, stride, dtype=arg.dtype, device=arg.device)
+                args[i] = fixed.copy_(arg)
+        return fn(args)
+
+    return compat.mark_boxed(backward_with_saved_strides)
 
 
 #: The values the hooks read at this call (``Placement.lifted``), for the compiled

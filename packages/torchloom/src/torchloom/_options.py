@@ -67,6 +67,18 @@ class LoomOptions:
     #: Saved-tensor hook pairs, distinct by content, compiled into one frame's graphs;
     #: one more compilation runs every further pair's hooks eagerly.
     saved_tensor_hooks_variants: int = 4
+    #: Lower in-graph hook pairs that move saved tensors to the host and back
+    #: (``save_on_cpu``, ``.cpu()``, stream pairs) to overlapped copies (loom_offload).
+    offload: bool = True
+    #: Offloaded tensors smaller than this many bytes stay on the device.
+    offload_min_bytes: int = 1 << 20
+    #: Forward: offload copies in flight (bytes) before the compute stream waits for the
+    #: oldest; the forward's last offloads within it stay on the device.
+    offload_window_bytes: int = 256 << 20
+    #: Backward: reloads started ahead of their first use, in bytes ...
+    offload_prefetch_bytes: int = 512 << 20
+    #: ... and in layers (``nn.ModuleList`` items).
+    offload_prefetch_layers: int = 2
     #: Remove ``resize_(full) -> copy_ -> resize_(0)`` chains on FSDP-style parameters.
     resize_remove_chains: bool = True
     #: Reuse compiled graphs across processes through loom's cache (local store,
@@ -106,6 +118,10 @@ _MINIMUM: Final[Mapping[str, int]] = types.MappingProxyType(
         "cudagraph_min_segment_nodes": 0,
         "cudagraph_max_shapes": 0,
         "saved_tensor_hooks_variants": 0,
+        "offload_min_bytes": 0,
+        "offload_window_bytes": 0,
+        "offload_prefetch_bytes": 0,
+        "offload_prefetch_layers": 1,
     }
 )
 #: ``TORCHLOOM_*`` variables read outside the options (besides the cache's own).

@@ -93,6 +93,7 @@ from torchloom._hooks import (
     place_hooks,
     prepare_hooks,
     with_hook_values,
+    with_saved_strides,
     with_unpack_effects,
     wrap_hooks_runtime,
 )
@@ -694,6 +695,7 @@ class _ColdCompilers:
         if fn is None:
             fn = codegen(g, inputs, static_idxs)
         fn = with_unpack_effects(fn, self.prepared.hooks, self.placement, kind)
+        fn = with_saved_strides(fn, self.prepared.hooks, self.placement, kind, g, inputs)
         for wrap in self.parts.compiled_wrappers:
             fn = wrap(kind, fn)
         self.compiled.add(kind)
