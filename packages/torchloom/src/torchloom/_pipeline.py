@@ -626,6 +626,10 @@ class _ColdCompilers:
     def compile(self, kind: GraphKind, g: GraphModule, inputs: Sequence[Any]) -> Any:
         """One aten graph: loom's passes, then codegen (Inductor's wrappers around it);
         a forward whose hooks read values at each call takes them as its last inputs."""
+        if kind is GraphKind.FORWARD:
+            # NOTE: a compile-time choice, no per-call check: a backward served or
+            # compiled here never raises for a retained graph (compat's docstring).
+            compat.keep_saved_tensors()
         lifted = lifted_hook_inputs(self.placement, kind)
         if not lifted:
             return self._compile(kind, g, inputs)

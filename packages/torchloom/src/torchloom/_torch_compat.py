@@ -61,6 +61,7 @@ __all__ = [
     "inductor_partition",
     "inductor_pre_grad_passes",
     "is_fake_call",
+    "keep_saved_tensors",
     "mark_boxed",
     "num_model_outputs",
     "publish_entry_fw_metadata",
@@ -473,6 +474,25 @@ def autograd_cache_forced() -> contextlib.AbstractContextManager[None]:
 def backward_lowering(*, lazy: bool) -> contextlib.AbstractContextManager[None]:
     """Compile the backward at its first call (``lazy``) or with the forward."""
     return functorch_config.patch(force_non_lazy_backward_lowering=not lazy)  # type: ignore[no-any-return]
+
+
+def keep_saved_tensors() -> None:
+    """Inside AOTAutograd's forward compile: the backward donates no saved tensor, so it
+    may run with ``retain_graph`` or ``create_graph`` (``jacobian``, two ``autograd.grad``
+    over one forward, a gradient penalty).
+
+    AOTAutograd picks the donated buffers (saved tensors that alias no input or output)
+    before the forward compile, into ``fw_metadata.bw_donated_idxs``: one list that the
+    tracing context's metadata shares with the one its runtime checks (it raises on a
+    retained backward when the list is not empty) and that Inductor's backward reads (it
+    reuses their memory). PyTorch empties it only when the backward is compiled lazily
+    inside a first backward that retains its graph; loom compiles the backward with the
+    forward, so it empties the list here, in place.
+    """
+    ctx = TracingContext.try_get()
+    donated = getattr(ctx.fw_metadata, "bw_donated_idxs", None) if ctx is not None else None
+    if donated:
+        donated.clear()
 
 
 def caches_force_disabled() -> bool:
