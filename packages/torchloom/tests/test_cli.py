@@ -54,9 +54,8 @@ def _python(code: str, **kw: object) -> subprocess.CompletedProcess[str]:
     )  # type: ignore[call-overload, no-any-return]
 
 
-def test_help_and_version_import_no_torch_and_cache_imports_no_inductor(tmp_path: Path) -> None:
-    # Start-up cost is what gets imported: --help/--version nothing heavy, the
-    # cache command torch (loom_cache needs it) but never Inductor or Dynamo.
+def test_help_and_version_import_no_torch(tmp_path: Path) -> None:
+    # Start-up cost is what gets imported: --help/--version nothing heavy.
     for argv in (["--help"], ["--version"]):
         proc = _python(
             "import sys, contextlib, io\n"
@@ -67,15 +66,37 @@ def test_help_and_version_import_no_torch_and_cache_imports_no_inductor(tmp_path
         )
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+#: A process in which ``import torch`` fails, as on a machine without it.
+_NO_TORCH = (
+    "import importlib.abc, sys\n"
+    "class NoTorch(importlib.abc.MetaPathFinder):\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name.partition('.')[0] == 'torch':\n"
+    "            raise ImportError(f'torch is blocked in this test ({name})')\n"
+    "sys.meta_path.insert(0, NoTorch())\n"
+)
+
+
+def test_cache_commands_that_read_the_store_never_import_torch(tmp_path: Path) -> None:
+    """stats, list and clear read a directory's files: with torch's import blocked they
+    still answer (issue 47: ``cache stats`` waited 98 s for torch on a loaded machine)."""
+    from loom_cache import CacheKey, Entry, KeyComponent, LocalStore
+
+    LocalStore(tmp_path).put(Entry(CacheKey("p", (KeyComponent("graph", "0" * 64, "g"),)), b"x"))
     proc = _python(
-        "import sys\n"
-        "from torchloom._cli import main\n"
-        f"main(['cache', '--dir', {str(tmp_path)!r}, 'stats'])\n"
-        "print('torch' in sys.modules, 'torch._inductor' in sys.modules,"
-        " 'torch._dynamo' in sys.modules)\n"
+        _NO_TORCH + "from torchloom._cli import main\n"
+        "for command in ('stats', 'list', 'clear'):\n"
+        f"    assert main(['cache', '--dir', {str(tmp_path)!r}, command, "
+        "*(['--yes'] if command == 'clear' else [])]) == 0, command\n"
+        "print('torch' in sys.modules)\n"
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "True False False"
+    out = proc.stdout.strip().splitlines()
+    assert out[-1] == "False"
+    assert any(line.startswith("entries") and line.split()[-1] == "1" for line in out), out
+    assert any("removed 1 entr" in line for line in out), out
 
 
 def test_a_closed_pipe_is_quiet(tmp_path: Path) -> None:

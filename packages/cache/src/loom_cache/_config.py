@@ -70,6 +70,8 @@ VARIABLES: Final = (
     "TORCHLOOM_REMOTE_CACHE_TRUST",
     "TORCHLOOM_REMOTE_CACHE_MAX_BYTES",
 )
+#: The same, by the name ``loom_cache`` exports it under.
+ENVIRONMENT_VARIABLES: Final = VARIABLES
 
 
 class CacheConfigError(ValueError):

@@ -19,9 +19,10 @@ import math
 import sys
 import types
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Tensors up to this many elements that a closure or a graph holds as a
 # constant are hashed by content; larger ones (weights) by metadata only.
@@ -100,6 +101,9 @@ class _Hasher:
             self._feed_other(value, depth)
 
     def _feed_other(self, value: object, depth: int) -> None:
+        # NOTE: torch only where this process imported it (no value is a torch object
+        # otherwise): hashing plain values, as ``torchloom cache`` does, never imports it.
+        torch = sys.modules.get("torch")
         if value is None or value is Ellipsis or value is NotImplemented:
             self._tag("const", repr(value).encode())
         elif isinstance(value, bool):
@@ -116,11 +120,13 @@ class _Hasher:
             self._tag("str", value.encode("utf-8", "surrogatepass"))
         elif isinstance(value, (bytes, bytearray)):
             self._tag("bytes", bytes(value))
-        elif isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        elif torch is not None and isinstance(
+            value, (torch.dtype, torch.device, torch.layout, torch.memory_format)
+        ):
             self._tag("torch", str(value).encode())
-        elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        elif torch is not None and isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise UnhashableValue("a symbolic value outside a graph has no stable content")
-        elif isinstance(value, torch.Tensor):
+        elif torch is not None and isinstance(value, torch.Tensor):
             self._tensor(value)
         elif isinstance(value, slice):
             self._tag("slice")
@@ -160,7 +166,7 @@ class _Hasher:
         ):
             user = value.cache_hash  # type: ignore[attr-defined]
             self._tag("user-hash", str(user() if callable(user) else user).encode())
-        elif isinstance(value, torch.nn.Module):
+        elif torch is not None and isinstance(value, torch.nn.Module):
             self._tag("nn.Module", _qualname(type(value)).encode())
         elif dataclasses.is_dataclass(value):
             fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
@@ -202,6 +208,8 @@ class _Hasher:
             self.feed(item, depth + 1)
 
     def _tensor(self, tensor: torch.Tensor) -> None:
+        import torch
+
         meta = (
             str(tensor.dtype),
             tuple(tensor.shape),

@@ -5,7 +5,7 @@ torchloom cache ...       (loom's compile cache: stats, list, show, explain, cle
 torchloom --version
 
 Nothing heavy is imported before a command needs it (``--help`` and
-``--version`` import no torch; ``cache`` imports torch but not Inductor), and a
+``--version`` import no torch, nor do ``cache stats``, ``list`` and ``clear``), and a
 closed pipe (``torchloom cache list | head``) ends the command quietly.
 """
 

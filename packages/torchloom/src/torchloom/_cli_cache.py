@@ -16,7 +16,8 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str]) -> int:
     """Run ``torchloom cache ARGV``; the store is the cache settings' (``TORCHLOOM_CACHE_DIR``,
-    ``TORCHLOOM_REMOTE_CACHE``, ...) unless ``--dir``. Imports torch, never Inductor."""
+    ``TORCHLOOM_REMOTE_CACHE``, ...) unless ``--dir``. ``stats``, ``list`` and ``clear``
+    import no torch (they read files); ``show`` and ``explain`` may."""
     import loom_cache
 
     return loom_cache.cache_main(argv)
