@@ -17,6 +17,7 @@ def _fresh_cache_config() -> Iterator[None]:
     from loom_cache import _config, _local, _redis
 
     _config._resolve.cache_clear()
+    _config._stamps.clear()
     _local._warned_roots.clear()
     _redis._warned_refusals.clear()
     yield

@@ -121,16 +121,18 @@ def test_no_forged_local_entry_loads_with_a_key_set(
     store = LocalStore(tmp_path / "cache", config=CacheConfig(keys=(KEY, OLD_KEY)))
     forgeries = _forgeries(marker)
     _plant_local(store, forgeries)
-    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    caplog.set_level(logging.INFO, logger="torchloom.cache")
     assert _load_all(store, [d for d, _ in forgeries]) == 0
     assert not marker.exists()
     reasons = [r.getMessage() for r in caplog.records]
     assert len(reasons) == len(forgeries)  # each refusal is logged with its reason
     assert any("unsigned entry refused" in m for m in reasons)
     assert any("signature mismatch" in m for m in reasons)
-    assert any("does not hold" in m for m in reasons)
-    for digest, _ in forgeries:  # refused entries are removed
+    (foreign,) = [r for r in caplog.records if "does not hold" in r.getMessage()]
+    assert foreign.levelno == logging.INFO  # another key holder's entry, not an attack
+    for digest, _ in forgeries[:1] + forgeries[2:]:  # refused entries are removed
         assert not store.path_of(digest).exists()
+    assert store.path_of(forgeries[1][0]).exists()  # a foreign one is left for its owner
 
 
 def test_without_a_key_the_local_tier_trusts_its_own_directory(tmp_path: Path) -> None:
@@ -321,3 +323,54 @@ def test_a_key_that_is_not_utf8_is_taken_as_its_bytes(
     store = LocalStore(tmp_path, config=config)
     assert store.put(Entry(_key(1), b"artifact")).stored
     assert store.lookup(_key(1).digest).verified
+
+
+def test_two_keys_on_one_directory_skip_each_others_entries_and_delete_none(
+    tmp_path: Path,
+) -> None:
+    fleet_a = LocalStore(tmp_path, config=CacheConfig(keys=(KEY,)))
+    fleet_b = LocalStore(tmp_path, config=CacheConfig(keys=(ATTACKER,)))
+    assert fleet_a.put(Entry(_key(1), b"a's artifact")).stored
+    assert fleet_b.put(Entry(_key(2), b"b's artifact")).stored
+    for reader, other in ((fleet_a, _key(2)), (fleet_b, _key(1))):
+        found = reader.lookup(other.digest)
+        assert not found.hit and found.reason.startswith("foreign entry")
+        assert "does not hold" in found.reason
+        assert reader.path_of(other.digest).exists()  # deleted as "corrupt" before
+    assert fleet_a.lookup(_key(1).digest).verified and fleet_b.lookup(_key(2).digest).verified
+    assert fleet_a.stats().corrupt == 0 and fleet_b.stats().corrupt == 0
+
+
+def test_a_foreign_remote_entry_is_skipped_not_deleted(redis_server: object) -> None:
+    url = redis_server.url  # type: ignore[attr-defined]
+    RedisStore(url, config=CacheConfig(keys=(KEY,))).put(Entry(_key(1), b"a's artifact"))
+    found = RedisStore(url, config=CacheConfig(keys=(ATTACKER,))).lookup(_key(1).digest)
+    assert not found.hit and "does not hold" in found.reason
+    assert RedisStore(url, config=CacheConfig(keys=(KEY,))).lookup(_key(1).digest).verified
+
+
+def test_a_rotated_key_file_is_read_again_within_a_minute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loom_cache import _config
+
+    clock = [1000.0]
+    monkeypatch.setattr(_config, "_monotonic", lambda: clock[0])
+    key_file = tmp_path / "key"
+    key_file.write_bytes(OLD_KEY + b"\n")
+    key_file.chmod(0o600)
+    env = {"TORCHLOOM_CACHE_KEY_FILE": str(key_file), "TORCHLOOM_CACHE_DIR": str(tmp_path / "c")}
+    started = CacheConfig.from_env(env)  # a process started before the rotation
+    assert started.keys == (OLD_KEY,)
+    key_file.write_bytes(KEY + b"\n" + OLD_KEY + b"\n")  # the rotation, as docs/cache.md says
+    os.utime(key_file, ns=(key_file.stat().st_mtime_ns + 10**9,) * 2)
+    clock[0] += 30
+    assert CacheConfig.from_env(env).keys == (OLD_KEY,)  # at most one stat a minute
+    clock[0] += 31
+    rotated = CacheConfig.from_env(env)
+    assert rotated.keys == (KEY, OLD_KEY)
+    new_writer = LocalStore(config=rotated)
+    new_writer.put(Entry(_key(1), b"signed with the new key"))
+    assert LocalStore(config=rotated).lookup(_key(1).digest).verified
+    clock[0] += 61
+    assert CacheConfig.from_env(env) is rotated  # unchanged file: the same configuration

@@ -19,6 +19,8 @@ import math
 import os
 import re
 import stat
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Final, Literal
@@ -51,6 +53,13 @@ _MIN_FRAGMENT: Final = 6
 _HOST_END: Final = re.compile(r"[/?#]")
 _NAMESPACE: Final = re.compile(r"[A-Za-z0-9_.\-]{0,64}")
 _MIN_KEY_BYTES: Final = 16
+#: How often :meth:`CacheConfig.from_env` looks at the key file again: a rotation
+#: (or a key file that appears) is picked up within this many seconds.
+KEY_FILE_RECHECK_S: Final = 60.0
+_monotonic = time.monotonic
+_stamps_lock = threading.Lock()
+#: Key file path -> (when it was last looked at, what its stat said).
+_stamps: dict[str, tuple[float, tuple[int, ...] | None]] = {}
 
 Trust = Literal["signed", "unsigned"]
 Mode = Literal["private", "shared"]
@@ -186,7 +195,10 @@ class CacheConfig:
         """The configuration the environment describes; each distinct setting is
         resolved (and warned about) once per process."""
         env = os.environ if env is None else env
-        return _resolve(tuple((name, env.get(name)) for name in VARIABLES) + _dir_base(env))
+        stamp = _key_file_stamp(env.get("TORCHLOOM_CACHE_KEY_FILE"))
+        return _resolve(
+            tuple((name, env.get(name)) for name in VARIABLES) + _dir_base(env) + (stamp,)
+        )
 
 
 def key_id(key: bytes) -> str:
@@ -213,6 +225,27 @@ def parse_size(text: str) -> int:
     if size > MAX_SIZE_BYTES:
         raise ValueError(f"{text!r} is past the largest size, {MAX_SIZE_BYTES} bytes (1 PiB)")
     return size
+
+
+def _key_file_stamp(raw: str | None) -> tuple[str, str | None]:
+    """What the key file's stat says (identity, size, mtime), looked at again at most
+    every :data:`KEY_FILE_RECHECK_S`: a changed stamp resolves the settings afresh, so a
+    process started before a rotation reads the new key instead of deleting, or
+    refusing, what new processes sign with it."""
+    path = (raw or "").strip()
+    if not path:
+        return ("key file stamp", None)
+    now = _monotonic()
+    with _stamps_lock:
+        seen = _stamps.get(path)
+        if seen is None or now - seen[0] >= KEY_FILE_RECHECK_S:
+            try:
+                st = os.stat(path)
+                found: tuple[int, ...] | None = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            except OSError:
+                found = None
+            seen = _stamps[path] = (now, found)
+    return ("key file stamp", repr(seen[1]))
 
 
 def _dir_base(env: Mapping[str, str]) -> tuple[tuple[str, str | None], ...]:

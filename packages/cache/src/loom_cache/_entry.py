@@ -37,6 +37,12 @@ class EntryError(ValueError):
     """An entry that cannot be used; the message says why (logged as a miss)."""
 
 
+class ForeignEntry(EntryError):
+    """An entry signed with a key this reader does not hold: another key holder's (a
+    fleet sharing the store, a process after a rotation), not a corrupt one. Stores
+    skip it and never delete it; eviction may."""
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """A key, the artifact bytes stored under it, and free-form metadata."""
@@ -133,7 +139,7 @@ def _verify(
     key = next((k for k in keys if key_id(k) == signed_by), None)
     if key is None:
         if required:
-            raise EntryError(f"signed with key {signed_by!r}, which this reader does not hold")
+            raise ForeignEntry(f"signed with key {signed_by!r}, which this reader does not hold")
         return False
     mac = hmac.new(key, head, hashlib.sha256)
     mac.update(payload)

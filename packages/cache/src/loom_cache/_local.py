@@ -32,7 +32,9 @@ Invariants:
   missing ledger (a disk that filled while writing it) is rebuilt by a scan
   on the next open.
 - Corrupt, unsigned (when a key is set) and forged entries are removed and
-  reported; their payload is never returned.
+  reported; their payload is never returned. An entry signed with a key this
+  reader does not hold is another key holder's: a miss, never removed here
+  (eviction, by age, may).
 - A local problem never raises out of the store: lookups miss and puts return
   a :class:`PutResult` saying why, in words that name the problem (a full
   disk, a busy lock, an unusable directory). A directory removed while the
@@ -64,7 +66,15 @@ from typing import Any, Final
 import filelock
 
 from loom_cache._config import CacheConfig
-from loom_cache._entry import MAGIC, Entry, EntryError, decode_checked, decode_header, encode_parts
+from loom_cache._entry import (
+    MAGIC,
+    Entry,
+    EntryError,
+    ForeignEntry,
+    decode_checked,
+    decode_header,
+    encode_parts,
+)
 from loom_cache._key import CacheKey
 from loom_cache._store import EntryInfo, Lookup, PutResult, StoreStats
 
@@ -353,6 +363,9 @@ class LocalStore:
                 log.warning("loom cache: refusing %s: a symlink inside the store", path)
                 return Lookup(None, self.name, f"refused: {path} is a symlink inside the store")
             return Lookup(None, self.name, f"unreadable: {exc}")
+        if isinstance(refused, ForeignEntry):
+            log.info("loom cache: skipping entry %s: %s", digest[:12], refused)
+            return Lookup(None, self.name, f"foreign entry (left for its owner): {refused}")
         if refused is not None:
             log.warning("loom cache: dropping entry %s: %s", digest[:12], refused)
             self._remove(digest, len(data))

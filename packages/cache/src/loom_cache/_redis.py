@@ -48,6 +48,7 @@ from loom_cache._entry import (
     MAC_BYTES,
     Entry,
     EntryError,
+    ForeignEntry,
     decode_checked,
     decode_header,
     decode_parts,
@@ -390,6 +391,8 @@ class RedisStore:
                     )
             except EntryError as exc:
                 self._refused(digest, str(exc))
+                if isinstance(exc, ForeignEntry):  # another key holder's: never deleted
+                    return Lookup(None, self.name, f"foreign entry (left for its owner): {exc}")
                 if value.whole is not None:  # NOTE: a chunked read may have met a rewrite
                     with contextlib.suppress(StoreUnavailable, KeyRefused):
                         self._call("delete", key)
