@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +29,29 @@ def test_demo_compiles_checks_against_eager_and_prints_a_table(
     out = capsys.readouterr().out
     assert "GPT train step" in out and "MLP inference" in out
     assert "loom compiled" in out
+
+
+def test_demo_under_a_pipe_prints_one_line_per_stage_on_stderr(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchloom import _demo
+
+    def fake_run_demo(*args: object, progress: Callable[[str], None], **kw: object) -> list[Any]:
+        progress("loom: cold compile of every workload in a fresh process")
+        progress("MLP inference: loom")
+        times = {"eager": 1.0, "loom": 1.0}
+        return [_demo.DemoResult("MLP inference", False, 0.0, True, times, times, times)]
+
+    monkeypatch.setattr(_demo, "run_demo", fake_run_demo)
+    assert main(["demo", "--device", "cpu", "--no-inductor"]) == 0  # capsys: not a terminal
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert [line.split("] ", 1)[1] for line in lines] == [
+        "loom: cold compile of every workload in a fresh process",
+        "MLP inference: loom",
+    ]
+    assert all(line.startswith("[") and " s] " in line for line in lines)
+    assert "MLP inference" in captured.out  # the table, on stdout
 
 
 def test_help_lists_every_command_and_advertises_nothing_else(

@@ -12,10 +12,12 @@ closed pipe (``torchloom cache list | head``) ends the command quietly.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from torchloom._distributions import LOOM_DISTRIBUTIONS
 
@@ -31,6 +33,16 @@ commands:
 """
 
 
+def _progress_lines(start: float) -> Callable[[str], None]:
+    """Where stdout is not a terminal (a pipe, CI), rich's spinner shows nothing for the
+    demo's minutes: one line per stage on stderr instead, flushed, with the time so far."""
+
+    def line(message: str) -> None:
+        print(f"[{time.monotonic() - start:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+    return line
+
+
 def _demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -40,13 +52,12 @@ def _demo(args: argparse.Namespace) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     torchloom.reset()
-    with console.status("starting") as status:
-        results = run_demo(
-            args.device,
-            args.iters,
-            inductor=not args.no_inductor,
-            progress=lambda msg: status.update(msg),
-        )
+    run = functools.partial(run_demo, args.device, args.iters, inductor=not args.no_inductor)
+    if sys.stdout.isatty():
+        with console.status("starting") as status:
+            results = run(progress=lambda msg: status.update(msg))
+    else:
+        results = run(progress=_progress_lines(time.monotonic()))
     names = list(results[0].median_ms)
     table = Table(
         title="torchloom demo: median step time (ms); first step = compile + step (s), "
