@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -72,3 +73,16 @@ def test_package_metadata_declares_the_tested_range() -> None:
         deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
         torch_deps = [d for d in deps if d.startswith("torch") and d.split(">")[0] == "torch"]
         assert torch_deps in ([], [_release.TESTED_RANGE]), (pyproject, torch_deps)
+
+
+def test_tested_releases_are_the_ones_ci_runs() -> None:
+    """The locked release, ``BETWEEN_TORCH`` and ``NEWEST_TORCH`` of ``noxfile.py``; a release
+    inside the declared range that CI does not run (2.12) is not listed (issue 47)."""
+    nox = (ROOT / "noxfile.py").read_text()
+    between = re.search(r"BETWEEN_TORCH = \[(.*?)\]", nox)
+    newest = re.search(r'NEWEST_TORCH = "(\d+\.\d+)', nox)
+    assert between is not None and newest is not None
+    run = {"2.11", *re.findall(r'"(\d+\.\d+)\.\d+"', between.group(1)), newest.group(1)}
+    listed = {f"{major}.{minor}" for major, minor in _release.TESTED_RELEASES}
+    assert listed == run
+    assert _release.untested_torch_message("2.12.0") is None  # inside the range: no warning

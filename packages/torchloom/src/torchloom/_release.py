@@ -24,7 +24,8 @@ __all__ = [
 ]
 
 #: The feature releases CI runs (docs/releases.md): the locked one, the ones between, the newest.
-TESTED_RELEASES: tuple[tuple[int, int], ...] = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
+#: 2.12 is inside the declared range (no warning) but runs nowhere, so it is not listed.
+TESTED_RELEASES: tuple[tuple[int, int], ...] = ((2, 11), (2, 13), (2, 14), (2, 15))
 #: The same range as the packages' metadata declares it.
 TESTED_RANGE = "torch>=2.11,<2.16"
 
