@@ -163,3 +163,37 @@ def test_an_absurd_timeout_from_the_environment_leaves_the_remote_tier_working(
     entry = Entry(CacheKey("p", (KeyComponent("graph", "ab" * 32, "g"),)), b"payload")
     assert store.put(entry).stored  # no OverflowError from the socket's timeout
     assert store.lookup(entry.digest).hit
+
+
+@pytest.mark.parametrize(
+    "var",
+    [
+        "TORCHLOOM_REMOTE_CACHE",
+        "TORCHLOOM_CACHE_KEY_FILE",
+        "TORCHLOOM_CACHE_DIR",
+        "TORCHLOOM_CACHE_MODE",
+        "TORCHLOOM_REMOTE_CACHE_TIMEOUT",
+    ],
+)
+@pytest.mark.parametrize("control", ["\n", "\r", "\x1b[2K", "\u2028"])
+def test_a_control_character_in_a_setting_is_refused_and_never_forges_a_log_line(
+    var: str, control: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    forged = f"{control}WARNING:torchloom.cache:loom cache: all clear"
+    value = {
+        "TORCHLOOM_REMOTE_CACHE": "redis://:pw-s3cret@127.0.0.1:1/0",
+        "TORCHLOOM_CACHE_KEY_FILE": "/run/secrets/loom-key",
+        "TORCHLOOM_CACHE_DIR": "/tmp/loom-cache",
+        "TORCHLOOM_CACHE_MODE": "shared",
+        "TORCHLOOM_REMOTE_CACHE_TIMEOUT": "2",
+    }[var]
+    caplog.set_level(logging.WARNING, logger="torchloom.cache")
+    key = {} if var == "TORCHLOOM_CACHE_KEY_FILE" else {"TORCHLOOM_CACHE_KEY": "k" * 32}
+    config = CacheConfig.from_env({var: value + forged, **key})
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(var in m and "control character" in m for m in messages), messages
+    assert not any(c in m for m in messages for c in "\n\r\x1b\u2028")
+    assert "pw-s3cret" not in caplog.text
+    assert not any(c in repr(config) + config.describe() for c in "\n\r\x1b\u2028")
+    if var == "TORCHLOOM_CACHE_KEY_FILE":
+        assert config.key_missing is not None and config.keys == ()  # fails closed

@@ -69,7 +69,7 @@ def test_a_key_file_that_is_not_a_regular_file_returns_warns_and_fails_closed(
         path = tmp_path / "k.link"  # a symlink to a device, as /dev/fd paths are
         path.symlink_to(target)
     out = _config_in_child(tmp_path, str(path))
-    assert f"key_missing: TORCHLOOM_CACHE_KEY_FILE={path} cannot be read: it is {found}" in (
+    assert f"key_missing: TORCHLOOM_CACHE_KEY_FILE={str(path)!r} cannot be read: it is {found}" in (
         out.stdout
     )
     assert "remote: None" in out.stdout  # the remote tier fails closed

@@ -53,6 +53,10 @@ _MIN_FRAGMENT: Final = 6
 _HOST_END: Final = re.compile(r"[/?#]")
 _NAMESPACE: Final = re.compile(r"[A-Za-z0-9_.\-]{0,64}")
 _MIN_KEY_BYTES: Final = 16
+#: C0 and C1 controls and Unicode line breaks: in a setting they could forge a log line.
+_CONTROL: Final = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+#: Keys are bytes, never logged: any byte may be in one.
+_KEY_VARIABLES: Final = frozenset({"TORCHLOOM_CACHE_KEY", "TORCHLOOM_CACHE_PREVIOUS_KEY"})
 #: How often :meth:`CacheConfig.from_env` looks at the key file again: a rotation
 #: (or a key file that appears) is picked up within this many seconds.
 KEY_FILE_RECHECK_S: Final = 60.0
@@ -375,7 +379,7 @@ def _key_file(path: str) -> tuple[list[bytes], str | None]:
             else ("written" if mode & stat.S_IWOTH else "read")
         )
         log.warning(
-            "loom cache: TORCHLOOM_CACHE_KEY_FILE=%s can be %s by every user (mode %o): "
+            "loom cache: TORCHLOOM_CACHE_KEY_FILE=%r can be %s by every user (mode %o): "
             "anyone who reads it can sign entries that run code here; chmod 600 it",
             path,
             what,
@@ -384,7 +388,7 @@ def _key_file(path: str) -> tuple[list[bytes], str | None]:
     keys = [ln for ln in lines if ln and not ln.startswith(b"#")]
     if not keys:
         log.warning(
-            "loom cache: TORCHLOOM_CACHE_KEY_FILE=%s holds no key (%s): entries are not signed",
+            "loom cache: TORCHLOOM_CACHE_KEY_FILE=%r holds no key (%s): entries are not signed",
             path,
             "only comments" if any(lines) else "it is empty",
         )
@@ -410,10 +414,16 @@ def _keys(env: Mapping[str, str | None]) -> tuple[tuple[bytes, ...], str | None]
         if var != "TORCHLOOM_CACHE_KEY_FILE":
             configured.append((var, _env_bytes(raw)))
             continue
+        if _CONTROL.search(raw):
+            problems.append(
+                f"TORCHLOOM_CACHE_KEY_FILE={raw!r} holds a control character (a newline, a "
+                "carriage return, an escape), which could forge a log line; it is not read"
+            )
+            continue
         from_file, why = _key_file(raw)
         configured.extend((var, key) for key in from_file)
         if why is not None:
-            problems.append(f"TORCHLOOM_CACHE_KEY_FILE={raw} cannot be read: {why}")
+            problems.append(f"TORCHLOOM_CACHE_KEY_FILE={raw!r} cannot be read: {why}")
     usable: list[bytes] = []
     for var, key in configured:
         if len(key) < _MIN_KEY_BYTES:
@@ -456,9 +466,31 @@ def _namespace(raw: str | None) -> str:
     return value
 
 
+def _without_controls(items: tuple[tuple[str, str | None], ...]) -> dict[str, str | None]:
+    """The settings, each one holding a control character refused with a WARNING that
+    quotes it (``%r``): treated as unset, but for the key file, which fails closed."""
+    env = dict(items)
+    for var in VARIABLES:
+        value = (env.get(var) or "").strip()
+        if var in _KEY_VARIABLES or not _CONTROL.search(value):
+            continue
+        if var == "TORCHLOOM_CACHE_KEY_FILE":
+            continue  # NOTE: refused in _keys, where a refused key file fails closed
+        shown = redact_url(value) if var == "TORCHLOOM_REMOTE_CACHE" else value
+        log.warning(
+            "loom cache: ignoring %s=%r: it holds a control character (a newline, a "
+            "carriage return, an escape), which could forge a log line; it is treated as "
+            "unset",
+            var,
+            shown,
+        )
+        env[var] = None
+    return env
+
+
 @functools.cache
 def _resolve(items: tuple[tuple[str, str | None], ...]) -> CacheConfig:
-    env = dict(items)
+    env = _without_controls(items)
     url = (env.get("TORCHLOOM_REMOTE_CACHE") or "").strip() or None
     trust = _choice(
         "TORCHLOOM_REMOTE_CACHE_TRUST",
