@@ -262,6 +262,12 @@ def main() -> None:
         parser.add_argument("--rounds", type=int, default=None)
         parser.add_argument("--steps", type=int, default=None)
         parser.add_argument("--layers", type=int, default=None)
+        parser.add_argument(
+            "--loom-variants",
+            default="",
+            help="extra loom columns with other offload options, ';'-separated, each "
+            "'min=MiB,window=MiB,prefetch=MiB,layers=N' (e.g. 'window=128,prefetch=256,layers=1')",
+        )
 
     args = parse_args(__doc__ or "", configure=configure)
     device = torch.device(args.device)
@@ -291,6 +297,8 @@ def main() -> None:
         size["layers"] = args.layers
     rows_wanted = [r for r in args.rows.split(",") if r]
     backends = [b for b in args.backends.split(",") if b]
+    variants = _variants(args.loom_variants)
+    backends += list(variants)
     loom_options = {"codegen": "eager"} if device.type == "cpu" else {}
     inductor_backend = "aot_eager" if device.type == "cpu" else "inductor"
     model = build(size, device)
@@ -313,7 +321,8 @@ def main() -> None:
                 elif backend == "inductor":
                     runner = torch.compile(model, backend=inductor_backend)
                 else:
-                    runner = torch.compile(model, backend="loom", options=loom_options)
+                    extra = variants.get(backend, {})
+                    runner = torch.compile(model, backend="loom", options={**loom_options, **extra})
                 step = make_step(runner, ids, hooks)
                 model.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
@@ -332,10 +341,10 @@ def main() -> None:
                 moved_before = _loom_moved()
                 peak, reserved = step_memory(step, device)
                 cell["peak_mib"], cell["reserved_mib"] = peak, reserved
-                if backend == "loom":
+                if backend.startswith("loom"):
                     cell["moved_mib"] = (_loom_moved() - moved_before) / MIB
                 steps_of[(row, backend)] = step
-                if backend == "loom":
+                if backend.startswith("loom"):
                     cell["offload"] = _offload_summary()
         if "eager" in backends and row != "no hooks":
             moved = [0]
@@ -345,7 +354,7 @@ def main() -> None:
             loss.backward()
             model.zero_grad(set_to_none=True)
             for backend in backends:
-                if backend != "loom" or "moved_mib" not in cells[(row, backend)]:
+                if not backend.startswith("loom") or "moved_mib" not in cells[(row, backend)]:
                     cells[(row, backend)]["moved_mib"] = moved[0] / MIB
 
     samples: dict[tuple[str, str], list[float]] = {k: [] for k in steps_of}
@@ -389,6 +398,23 @@ def main() -> None:
     print(format_table(rows))
     if not args.no_append:
         append_results("offload", "Activation offload on a Llama", rows, notes, device=device)
+
+
+def _variants(spec: str) -> dict[str, dict[str, int]]:
+    names = {
+        "min": "offload_min_bytes",
+        "window": "offload_window_bytes",
+        "prefetch": "offload_prefetch_bytes",
+        "layers": "offload_prefetch_layers",
+    }
+    out: dict[str, dict[str, int]] = {}
+    for item in filter(None, (v.strip() for v in spec.split(";"))):
+        opts: dict[str, int] = {}
+        for part in item.split(","):
+            key, value = part.split("=")
+            opts[names[key]] = int(value) if key == "layers" else int(value) * MIB
+        out[f"loom[{item}]"] = opts
+    return out
 
 
 def _loom_moved() -> int:

@@ -22,6 +22,7 @@ from loom_offload._ops import ensure_inductor_lowerings, offload_op, reload_op
 from loom_offload._pool import HostPool, PoolStats
 from loom_offload._recognize import why_not_offload_pack, why_not_offload_unpack
 from loom_offload._runtime import (
+    OffloadUnderCapture,
     Transfers,
     TransferStats,
     pool_stats,
@@ -36,6 +37,7 @@ __all__ = [
     "OffloadOptions",
     "OffloadPlan",
     "OffloadSite",
+    "OffloadUnderCapture",
     "PoolStats",
     "SiteDecision",
     "TransferStats",

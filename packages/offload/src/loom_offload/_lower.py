@@ -47,8 +47,9 @@ MiB = 1 << 20
 class OffloadOptions:
     """How much to offload and how far ahead to reload (bytes are per device)."""
 
-    #: Saved tensors smaller than this stay on the device (copies that small do not pay).
-    min_bytes: int = 1 * MiB
+    #: Saved tensors smaller than this stay on the device: many small copies cost more than
+    #: they save (on an H200, 8 MiB ran a Llama step 19% faster than 1 MiB at the same peak).
+    min_bytes: int = 8 * MiB
     #: Forward: offload copies in flight before the compute stream waits for the oldest;
     #: also the forward's last offloads, kept on the device.
     window_bytes: int = 256 * MiB
@@ -95,6 +96,8 @@ class OffloadPlan:
 
     decisions: tuple[SiteDecision, ...]
     options: OffloadOptions
+    #: Distinct layers (``nn.ModuleList`` items) among the offloaded tensors.
+    layers: int = 0
 
     @property
     def offloaded(self) -> tuple[SiteDecision, ...]:
@@ -109,7 +112,8 @@ class OffloadPlan:
         kept = [d for d in self.decisions if d.action == "kept"]
         other = [d for d in self.decisions if d.action == "not_offload"]
         text = (
-            f"{len(self.offloaded)} offloaded ({self.offloaded_bytes / MiB:.1f} MiB), "
+            f"{len(self.offloaded)} offloaded ({self.offloaded_bytes / MiB:.1f} MiB, "
+            f"{self.layers} layers), "
             f"{len(kept)} kept on the device ({_reasons(kept)}), "
             f"{len(other)} not offload pairs ({_reasons(other)})"
         )
@@ -170,7 +174,7 @@ def lower_offload(
         gm.graph.lint()  # type: ignore[no-untyped-call]
         gm.recompile()
     ordered = tuple(decisions[s.name] for s in sorted(sites, key=lambda s: fw_order[s.pack_call]))
-    plan = OffloadPlan(ordered, options)
+    plan = OffloadPlan(ordered, options, len({s.layer for s in candidates if s.layer}))
     log.debug("lower_offload: %s", plan.summary())
     return plan
 

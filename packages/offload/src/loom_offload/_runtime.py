@@ -30,7 +30,14 @@ import torch
 
 from loom_offload._pool import HostPool, PoolStats
 
-__all__ = ["TransferStats", "Transfers", "pool_stats", "release_pools", "transfers_for"]
+__all__ = [
+    "OffloadUnderCapture",
+    "TransferStats",
+    "Transfers",
+    "pool_stats",
+    "release_pools",
+    "transfers_for",
+]
 
 log = logging.getLogger("torchloom.offload")
 
@@ -52,6 +59,10 @@ class _InFlight:
     tensor: torch.Tensor
     event: torch.cuda.Event | None
     nbytes: int
+
+
+class OffloadUnderCapture(RuntimeError):
+    """An offload operator ran while the current stream was capturing a CUDA graph."""
 
 
 class Transfers:
@@ -78,6 +89,13 @@ class Transfers:
             host.copy_(t)
             return host
         compute = torch.cuda.current_stream(self.device)
+        if torch.cuda.is_current_stream_capturing():
+            raise OffloadUnderCapture(
+                "loom_offload: an offload ran inside a CUDA-graph capture (capture_step or "
+                "torch.cuda.graph): its host pool and events live outside any graph. Compile "
+                "the model with options={'offload': False} to capture the hooks' own copies, "
+                "or run the step uncaptured"
+            )
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             host.copy_(t, non_blocking=True)

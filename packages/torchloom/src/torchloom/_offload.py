@@ -59,6 +59,16 @@ def lower_offload_step(
             "offload", "off", "offload is off: the hooks' own copies run as traced"
         )
         return None
+    if snapshot.options.cudagraphs:
+        # NOTE: the offload operators keep a host pool and events outside any graph;
+        # the hooks' own copies are capturable and run as traced inside the segments.
+        snapshot.record.add_entry(
+            "offload",
+            "not_lowered",
+            "cudagraphs is on: the hooks' own copies run as traced (offload operators "
+            "are not capturable)",
+        )
+        return None
     import loom_offload
 
     sites = _sites(placement, fw, bw)

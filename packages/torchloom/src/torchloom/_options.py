@@ -71,7 +71,7 @@ class LoomOptions:
     #: (``save_on_cpu``, ``.cpu()``, stream pairs) to overlapped copies (loom_offload).
     offload: bool = True
     #: Offloaded tensors smaller than this many bytes stay on the device.
-    offload_min_bytes: int = 1 << 20
+    offload_min_bytes: int = 8 << 20
     #: Forward: offload copies in flight (bytes) before the compute stream waits for the
     #: oldest; the forward's last offloads within it stay on the device.
     offload_window_bytes: int = 256 << 20
