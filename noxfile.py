@@ -21,6 +21,8 @@ line, where no 3.13 is installed; ``.ci/run`` puts pyenv's on ``PATH``).
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import nox
 
@@ -275,3 +277,70 @@ def lint(session: nox.Session) -> None:
     _sync(session, "--only-group", "dev")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+def _locked_requirements(session: nox.Session, dist: str, out: Path) -> Path:
+    """The locked third-party closure of ``dist`` (torch 2.11.0 and what it needs), pinned."""
+    path = out / f"{dist}.txt"
+    session.run(
+        *("uv", "export", "--locked", "--quiet", "--package", dist, "--no-dev"),
+        *("--no-emit-workspace", "--no-hashes", "--no-header", "-o", str(path)),
+        external=True,
+    )
+    return path
+
+
+@nox.session(python=PYTHON)
+def packages(session: nox.Session) -> None:
+    """Every package as a user installs it (issue 47): its wheel and sdist built; the wheel
+    installed alone in a fresh environment with only the wheels of the siblings it
+    declares (``--no-index``: an undeclared one is missing) and its locked third-party
+    closure (torch 2.11.0, from uv's cache once warm); its README's Python blocks run
+    (``scripts/readme_examples.py``: GPU blocks skipped without CUDA, blocks needing
+    ``torchloom`` run in the umbrella's environment; loom's codegen eager, as the CPU
+    tests use); then ``mypy --strict`` on user files against the installed wheels
+    (``scripts/user_types.py``: an unknown imported name is an error, a plain ``def`` is
+    a hook, every README example type-checks)."""
+    _sync(session, "--only-group", "dev")
+    work = Path(session.create_tmp()) / "packages"
+    shutil.rmtree(work, ignore_errors=True)
+    dist_dir, reqs = work / "dist", work / "requirements"
+    reqs.mkdir(parents=True)
+    for dist in PACKAGES.values():
+        session.run(
+            "uv", "build", "--quiet", "--package", dist, "--out-dir", str(dist_dir), external=True
+        )
+    env = {**_process_env(session), "TORCHLOOM_CODEGEN": "eager", "UV_NO_CONFIG": "1"}
+    readmes = [f"packages/{folder}/README.md" for folder in PACKAGES]
+    for folder, dist in PACKAGES.items():
+        venv = work / f"venv-{folder}"
+        python = str(venv / "bin" / "python")
+        session.run(
+            "uv", "venv", "--quiet", "--python", str(session.python), str(venv), external=True
+        )
+        install = ("uv", "pip", "install", "--quiet", "--python", python)
+        session.run(
+            *install,
+            "--no-deps",
+            "-r",
+            str(_locked_requirements(session, dist, reqs)),
+            external=True,
+        )
+        session.run(
+            *install, "--no-index", "--find-links", str(dist_dir), dist, env=env, external=True
+        )
+        module = dist.replace("torchloom-", "loom_")
+        session.run(python, "-c", f"import {module}", env=env, external=True)
+        session.run(
+            python,
+            "scripts/readme_examples.py",
+            "run",
+            f"packages/{folder}/README.md",
+            env=env,
+            external=True,
+        )
+    umbrella = str(work / "venv-torchloom" / "bin" / "python")
+    session.run(
+        umbrella, "scripts/readme_examples.py", "run-needing", *readmes, env=env, external=True
+    )
+    session.run("python", "scripts/user_types.py", umbrella, str(work), env=env)

@@ -13,6 +13,7 @@ session, which runs it in each package's own virtual environment (only the stand
 library here: that environment holds the package and its declared dependencies).
 
     python scripts/readme_examples.py run packages/resize/README.md
+    python scripts/readme_examples.py run-needing packages/hops/README.md
     python scripts/readme_examples.py write packages/resize/README.md OUTDIR
 """
 
@@ -110,9 +111,11 @@ def run_example(example: Example, python: str = sys.executable, timeout: float =
     return proc.stdout
 
 
-def _run(page: Path) -> int:
+def _run(page: Path, needs_only: bool = False) -> int:
     failed = 0
     for example in examples(page):
+        if needs_only and not example.needs:
+            continue
         missing = missing_needs(example)
         if missing:
             print(f"{example.name}: skipped, needs {', '.join(missing)}", flush=True)
@@ -140,11 +143,14 @@ def _write(page: Path, out: Path) -> None:
 
 if __name__ == "__main__":
     command, *pages = sys.argv[1:]
-    if command == "run":
-        sys.exit(1 if sum(_run(Path(p)) for p in pages) else 0)
+    if command in ("run", "run-needing"):
+        # run-needing: only the blocks that need another package (the umbrella's
+        # environment runs the other packages' blocks marked ``needs torchloom``)
+        failed = sum(_run(Path(p), command == "run-needing") for p in pages)
+        sys.exit(1 if failed else 0)
     if command == "write":
         *pages, outdir = pages
         for p in pages:
             _write(Path(p), Path(outdir))
         sys.exit(0)
-    sys.exit(f"usage: {sys.argv[0]} run PAGE... | write PAGE... OUTDIR")
+    sys.exit(f"usage: {sys.argv[0]} run|run-needing PAGE... | write PAGE... OUTDIR")

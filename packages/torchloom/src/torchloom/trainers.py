@@ -32,19 +32,24 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name == "CaptureStepTrainer":  # a transformers.Trainer subclass: made on first use
-        value: Any = importlib.import_module("torchloom._hf_trainer").capture_step_trainer_class()
-    elif name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+# NOTE: type checkers see only the names above, so an unknown name imported from this
+# module is an error there, not an ``Any``.
+if not TYPE_CHECKING:
 
+    def __getattr__(name: str) -> object:
+        if name == "CaptureStepTrainer":  # a transformers.Trainer subclass: made on first use
+            value: Any = importlib.import_module(
+                "torchloom._hf_trainer"
+            ).capture_step_trainer_class()
+        elif name in _LAZY:
+            value = getattr(importlib.import_module(_LAZY[name]), name)
+        else:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        globals()[name] = value
+        return value
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})
 
 
 __all__ = ["IN_STEP_HOOKS", "CaptureStepTrainer", "HFCaptureStep", "lightning_capture_step"]
