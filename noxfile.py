@@ -326,9 +326,10 @@ def packages(session: nox.Session) -> None:
             str(_locked_requirements(session, dist, reqs)),
             external=True,
         )
-        session.run(
-            *install, "--no-index", "--find-links", str(dist_dir), dist, env=env, external=True
-        )
+        # NOTE: --no-cache: uv's cache keeps a wheel it installed from a folder by its name,
+        # and the wheels just built carry the same names as the last run's.
+        local = ("--no-index", "--no-cache", "--find-links", str(dist_dir))
+        session.run(*install, *local, dist, env=env, external=True)
         module = dist.replace("torchloom-", "loom_")
         session.run(python, "-c", f"import {module}", env=env, external=True)
         session.run(
