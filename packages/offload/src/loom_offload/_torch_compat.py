@@ -27,10 +27,18 @@ __all__ = [
 
 
 def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its span exactly once (some permutation of contiguous)."""
-    from torch._prims_common import is_non_overlapping_and_dense_or_false as check
+    """Whether ``t``'s elements fill its span exactly once (some permutation of contiguous).
 
-    return bool(check(t))
+    Computed here (no private torch name): dimensions of size one never matter; the
+    others, by increasing stride, must each step over exactly the ones before them.
+    """
+    dims = sorted((int(st), int(sz)) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def fake_mode_of(t: torch.Tensor) -> Any:
@@ -42,9 +50,12 @@ def fake_mode_of(t: torch.Tensor) -> Any:
 
 def storage_references(t: torch.Tensor) -> int:
     """Tensors (and storages) that hold ``t``'s storage, not counting this call's own."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:  # a release without it: every block counts as taken (never reused)
+        return 2
     storage = t.untyped_storage()
     # NOTE: ``untyped_storage()`` makes a Python storage object, one reference more.
-    return int(torch._C._storage_Use_Count(storage._cdata)) - 1
+    return int(count(storage._cdata)) - 1
 
 
 def register_inductor_fallback(
