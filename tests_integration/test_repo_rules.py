@@ -21,6 +21,7 @@ PACKAGES = {
     "cells": "loom_cells",
     "tracer": "loom_tracer",
     "hops": "loom_hops",
+    "offload": "loom_offload",
     "resize": "loom_resize",
     "cudagraph": "loom_cudagraph",
     "step": "loom_step",

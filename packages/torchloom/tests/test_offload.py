@@ -13,8 +13,6 @@ import torch
 import loom_offload
 import torchloom
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 class Block(torch.nn.Module):
     def __init__(self, width: int) -> None:
@@ -60,7 +58,6 @@ _SMALL = {
 
 
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("codegen", ["inductor", "eager"])
 def test_save_on_cpu_is_lowered_and_bitwise_equal_to_its_own_copies(codegen: str) -> None:
     torch.manual_seed(0)
@@ -86,7 +83,6 @@ def test_save_on_cpu_is_lowered_and_bitwise_equal_to_its_own_copies(codegen: str
 
 
 @pytest.mark.gpu
-@cuda
 def test_reload_waits_for_its_copy_behind_a_slow_transfer() -> None:
     """A slow kernel queued on the transfer stream delays every copy: a reload read
     before its copy completed would give other gradients."""
@@ -109,7 +105,6 @@ def test_reload_waits_for_its_copy_behind_a_slow_transfer() -> None:
 
 
 @pytest.mark.gpu
-@cuda
 def test_host_blocks_are_reused_and_nothing_grows_over_100_steps() -> None:
     torch.manual_seed(0)
     model = Block(256).cuda()

@@ -34,7 +34,7 @@ import torch.fx
 from loom_offload._ops import offload_op, reload_op
 from loom_offload._pool import dense_span
 from loom_offload._recognize import why_not_offload_pack, why_not_offload_unpack
-from loom_offload._torch_compat import fake_mode_of
+from loom_offload._torch_compat import OpOverload, fake_mode_of
 
 __all__ = ["OffloadOptions", "OffloadPlan", "OffloadSite", "SiteDecision", "lower_offload"]
 
@@ -203,6 +203,8 @@ def _why_not(
 
 
 def _keep_reason(site: OffloadSite, options: OffloadOptions) -> str | None:
+    if site.unpack_call is None:
+        return "the backward never reads it: a copy would move it for nothing"
     if not site.activation:
         return "a graph input or user output: offloading it frees nothing"
     if _nbytes(site) < options.min_bytes:
@@ -235,9 +237,7 @@ def _single_leaf(call: torch.fx.Node) -> torch.fx.Node:
     return leaves[0]
 
 
-def _graph_module(
-    owner: torch.fx.GraphModule, inputs: Sequence[tuple[str, Any]], body: Any
-) -> torch.fx.GraphModule:
+def _graph_module(inputs: Sequence[tuple[str, Any]], body: Any) -> torch.fx.GraphModule:
     """A subgraph ``(inputs...) -> (body(inputs...),)`` with example values in meta."""
     graph = torch.fx.Graph()
     nodes = []
@@ -253,7 +253,7 @@ def _graph_module(
     return sub
 
 
-def _fake_call(op: torch._ops.OpOverload, like: torch.Tensor, *args: Any) -> torch.Tensor:
+def _fake_call(op: OpOverload, like: torch.Tensor, *args: Any) -> torch.Tensor:
     """``op(like, *args)`` on fake values, in ``like``'s fake mode."""
     mode = fake_mode_of(like)
     with mode if mode is not None else contextlib.nullcontext():
@@ -265,24 +265,10 @@ def _fake_call(op: torch._ops.OpOverload, like: torch.Tensor, *args: Any) -> tor
 def _keep(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, site: OffloadSite) -> None:
     """Both graphs become the identity: the saved tensor crosses to the backward as is."""
     saved = site.saved
-    _set_subgraph(
-        forward, site.pack_call, _graph_module(forward, [("saved", saved)], lambda g, x: x[0])
-    )
-    leaf = _single_leaf(site.pack_call)
-    site.pack_call.meta["val"] = (saved,)
-    leaf.meta["val"] = saved
-    if site.unpack_call is None:
-        _retarget_backward_input(backward, leaf.name, saved)
-        return
-    host = site.unpack_call.args[1]
-    assert isinstance(host, torch.fx.Node)
-    host.meta["val"] = saved
-    _set_subgraph(
-        backward,
-        site.unpack_call,
-        _graph_module(backward, [("packed", saved)], lambda g, x: x[0]),
-    )
-    _set_unpacked(site.unpack_call, saved)
+    _replace_pack(forward, site, _graph_module([("saved", saved)], lambda g, x: x[0]), saved)
+    if site.unpack_call is not None:
+        sub = _graph_module([("packed", saved)], lambda g, x: x[0])
+        _replace_unpack(backward, site, sub, saved, saved, ())
 
 
 def _offload(
@@ -292,8 +278,7 @@ def _offload(
     ahead: Sequence[OffloadSite],
     options: OffloadOptions,
 ) -> None:
-    saved = site.saved
-    window = options.window_bytes
+    saved, window = site.saved, options.window_bytes
     host_val = _fake_call(offload_op, saved, window)
 
     def pack_body(g: torch.fx.Graph, x: list[torch.fx.Node]) -> torch.fx.Node:
@@ -301,22 +286,10 @@ def _offload(
         node.meta["val"] = host_val
         return node
 
-    _set_subgraph(forward, site.pack_call, _graph_module(forward, [("saved", saved)], pack_body))
-    leaf = _single_leaf(site.pack_call)
-    site.pack_call.meta["val"] = (host_val,)
-    leaf.meta["val"] = host_val
-    if site.unpack_call is None:
-        _retarget_backward_input(backward, leaf.name, host_val)
-        return
-    host = site.unpack_call.args[1]
-    assert isinstance(host, torch.fx.Node)
-    host.meta["val"] = host_val
-    ahead_inputs: list[torch.fx.Node] = []
-    for other in ahead:
-        assert other.unpack_call is not None
-        other_host = other.unpack_call.args[1]
-        assert isinstance(other_host, torch.fx.Node)
-        ahead_inputs.append(other_host)
+    _replace_pack(forward, site, _graph_module([("saved", saved)], pack_body), host_val)
+    assert site.unpack_call is not None  # a tensor the backward never reads is kept
+    ahead_hosts = [_host_input(o) for o in ahead]
+    # NOTE: what each host input will hold once its own site is lowered (maybe later).
     ahead_vals = [_fake_call(offload_op, o.saved, window) for o in ahead]
     device = saved.device
     reloaded = _fake_call(reload_op, host_val, device, ahead_vals)
@@ -327,9 +300,42 @@ def _offload(
         return node
 
     inputs = [("packed", host_val)] + [(f"ahead_{i}", v) for i, v in enumerate(ahead_vals)]
-    _set_subgraph(backward, site.unpack_call, _graph_module(backward, inputs, unpack_body))
-    site.unpack_call.args = (site.unpack_call.args[0], host, *ahead_inputs)
-    _set_unpacked(site.unpack_call, reloaded)
+    sub = _graph_module(inputs, unpack_body)
+    _replace_unpack(backward, site, sub, host_val, reloaded, ahead_hosts)
+
+
+def _replace_pack(
+    forward: torch.fx.GraphModule, site: OffloadSite, sub: torch.fx.GraphModule, packed: Any
+) -> None:
+    """The pack call runs ``sub``, whose one result (``packed``) crosses to the backward."""
+    _set_subgraph(forward, site.pack_call, sub)
+    site.pack_call.meta["val"] = (packed,)
+    _single_leaf(site.pack_call).meta["val"] = packed
+
+
+def _host_input(site: OffloadSite) -> torch.fx.Node:
+    """The backward input that holds ``site``'s packed value."""
+    assert site.unpack_call is not None
+    host = site.unpack_call.args[1]
+    assert isinstance(host, torch.fx.Node)
+    return host
+
+
+def _replace_unpack(
+    backward: torch.fx.GraphModule,
+    site: OffloadSite,
+    sub: torch.fx.GraphModule,
+    packed: Any,
+    unpacked: torch.Tensor,
+    ahead: Sequence[torch.fx.Node],
+) -> None:
+    """The unpack call runs ``sub`` on the packed input (now ``packed``) and ``ahead``."""
+    assert site.unpack_call is not None
+    host = _host_input(site)
+    host.meta["val"] = packed
+    _set_subgraph(backward, site.unpack_call, sub)
+    site.unpack_call.args = (site.unpack_call.args[0], host, *ahead)
+    _set_unpacked(site.unpack_call, unpacked)
 
 
 def _set_unpacked(call: torch.fx.Node, value: torch.Tensor) -> None:
@@ -353,12 +359,6 @@ def _same_strides(value: torch.Tensor, stride: Any) -> bool:
         size == 1 or want == got
         for size, want, got in zip(value.shape, stride, value.stride(), strict=True)
     )
-
-
-def _retarget_backward_input(backward: torch.fx.GraphModule, name: str, val: torch.Tensor) -> None:
-    for node in backward.graph.nodes:
-        if node.op == "placeholder" and node.name == name:
-            node.meta["val"] = val
 
 
 _LAYER = re.compile(r"(?:^|[._])(\d+)(?:$|[._])")

@@ -14,7 +14,7 @@ import torch
 
 from loom_offload._pool import dense_span
 from loom_offload._runtime import transfers_for
-from loom_offload._torch_compat import register_inductor_fallback
+from loom_offload._torch_compat import OpOverload, register_inductor_fallback
 
 __all__ = ["ensure_inductor_lowerings", "offload_op", "reload_op"]
 
@@ -44,8 +44,8 @@ def _reload_fake(
     return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
 
 
-offload_op: torch._ops.OpOverload = torch.ops.loom_offload.offload.default
-reload_op: torch._ops.OpOverload = torch.ops.loom_offload.reload.default
+offload_op: OpOverload = torch.ops.loom_offload.offload.default
+reload_op: OpOverload = torch.ops.loom_offload.reload.default
 
 _register_offload = register_inductor_fallback(offload_op, protect_first_input=True)
 _register_reload = register_inductor_fallback(reload_op, protect_first_input=False)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "OpOverload",
     "fake_mode_of",
     "is_non_overlapping_and_dense",
     "never_reuse_input_buffer",
@@ -48,6 +49,10 @@ def fake_mode_of(t: torch.Tensor) -> Any:
     return t.fake_mode if isinstance(t, FakeTensor) else None
 
 
+#: The type of one overload of an operator (``torch.ops.ns.op.default``).
+OpOverload = torch._ops.OpOverload
+
+
 def storage_references(t: torch.Tensor) -> int:
     """Tensors (and storages) that hold ``t``'s storage, not counting this call's own."""
     count = getattr(torch._C, "_storage_Use_Count", None)
@@ -58,9 +63,7 @@ def storage_references(t: torch.Tensor) -> int:
     return int(count(storage._cdata)) - 1
 
 
-def register_inductor_fallback(
-    op: torch._ops.OpOverload, *, protect_first_input: bool
-) -> Callable[[], None]:
+def register_inductor_fallback(op: OpOverload, *, protect_first_input: bool) -> Callable[[], None]:
     """A function that registers ``op`` with Inductor as a fallback kernel (an extern
     call); with ``protect_first_input`` the buffer its first argument reads is never
     reused in place by the generated wrapper. Importing Inductor is deferred to the

@@ -59,8 +59,6 @@ log = logging.getLogger("torchloom.hooks")
 
 
 if TYPE_CHECKING:
-    import loom_offload
-
     #: A compiled pair and the hook graphs its guard matches others with (None: by content alone).
     Variant = tuple[loom_hops.HookPair | None, loom_hops.HookGraphs | None]
 
@@ -192,8 +190,6 @@ class HookPlacement:
 
     placement: loom_hops.Placement | None = None
     refused: loom_hops.Unsupported | None = None
-    #: What the offload step did with pairs that move saved tensors to the host.
-    offload: loom_offload.OffloadPlan | None = None
 
 
 def _refuse(snapshot: Snapshot, reason: loom_hops.Unsupported) -> loom_hops.Unsupported:
@@ -309,7 +305,7 @@ def place_hooks(
         kept=placement.kept,
         fingerprint=plan.fingerprint,
     )
-    offload = lower_offload_step(snapshot, placement, fw_gm, bw_gm)
+    lower_offload_step(snapshot, placement, fw_gm, bw_gm)  # the report keeps its plan
     if placement.moved:
         record.add_entry(
             "hooks",
@@ -322,7 +318,7 @@ def place_hooks(
         code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
         record.add_graph(kind, code)
         log.debug("graph %d, %s:\n%s", snapshot.graph_id, kind, code)
-    return HookPlacement(placement, offload=offload)
+    return HookPlacement(placement)
 
 
 def place_saved_tensor_hooks(
