@@ -50,6 +50,7 @@ class HostPool:
     def __init__(self, *, pin: bool) -> None:
         self.pin = pin
         self._blocks: dict[int, list[torch.Tensor]] = {}
+        self._next: dict[int, int] = {}  # per size: where the next search starts
         self._lock = threading.Lock()
         self._allocated = 0
         self._reused = 0
@@ -66,12 +67,18 @@ class HostPool:
     def _take(self, nbytes: int) -> torch.Tensor:
         with self._lock:
             blocks = self._blocks.setdefault(nbytes, [])
-            for block in blocks:
-                if storage_references(block) == 1:
+            # NOTE: a step takes its blocks in the order the previous step did, so the
+            # search starts after the last block handed out: one probe in steady state.
+            start = self._next.get(nbytes, 0)
+            for k in range(len(blocks)):
+                i = (start + k) % len(blocks)
+                if storage_references(blocks[i]) == 1:
                     self._reused += 1
-                    return block
+                    self._next[nbytes] = i + 1
+                    return blocks[i]
             block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
             blocks.append(block)
+            self._next[nbytes] = len(blocks)
             self._allocated += 1
             log.debug("offload pool: new %s block of %d bytes", _kind(self.pin), nbytes)
             return block
